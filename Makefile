@@ -1,0 +1,37 @@
+# Two commands set everything up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# Eight JAX devices on the CPU, so data-parallel code runs for real without an accelerator.
+export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
+export JAX_PLATFORMS ?= cpu
+
+.PHONY: demo test bench lock clean
+
+$(BIN)/.installed: pyproject.toml requirements.lock
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade "pip>=24"
+	$(BIN)/python -m pip install -q -c requirements.lock -e ".[worker,test]"
+	touch $@
+
+demo: $(BIN)/.installed
+	$(BIN)/renderfarm tiny-model build/tiny-sd --kind sd
+	$(BIN)/renderfarm render --model build/tiny-sd --prompts examples/prompts.txt \
+		--out out --campaign demo --seed 0 --steps 4
+	@echo "images, sidecars and manifest.jsonl are in out/demo/"
+
+test: $(BIN)/.installed
+	$(BIN)/python -m pytest -q
+
+bench: $(BIN)/.installed
+	$(BIN)/python bench/engine_vs_direct.py
+
+# Re-resolve every dependency from scratch and write the lock (run after changing pyproject).
+lock:
+	rm -rf build/lockenv && $(PYTHON) -m venv build/lockenv
+	build/lockenv/bin/python -m pip install -q --upgrade "pip>=24"
+	build/lockenv/bin/python -m pip install -q ".[worker,test]"
+	build/lockenv/bin/python -m pip freeze --exclude renderfarm > requirements.lock
+
+clean:
+	rm -rf $(VENV) build out

@@ -1,0 +1,1 @@
+"""Producer side: ingest prompts, build and submit jobs. Needs no JAX."""

@@ -1,0 +1,1 @@
+"""Render farm: distributed rendering jobs, workers and storage."""

@@ -1,0 +1,87 @@
+"""How the tests see the world: eight CPU devices, no hub, tiny models built here, and
+compiled pipelines shared across tests (compilation is the slow part on a CPU)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+# Before anything imports JAX or huggingface_hub (both read these once, at import).
+_SANDBOX = tempfile.mkdtemp(prefix="renderfarm-tests-")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_HOME"] = os.path.join(_SANDBOX, "hf")
+os.environ["RENDERFARM_MODEL_CACHE"] = os.path.join(_SANDBOX, "models")
+os.environ["RENDERFARM_COMPILE_CACHE"] = os.path.join(_SANDBOX, "jax-cache")
+
+from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from tests.gcs_emulator import GcsEmulator  # noqa: E402
+
+STEPS = 3  # few steps: the tests check plumbing and numerics, not image quality
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compile_cache() -> Path:
+    from worker.engine import enable_compilation_cache
+
+    return enable_compilation_cache(os.environ["RENDERFARM_COMPILE_CACHE"])
+
+
+@pytest.fixture(scope="session")
+def tiny_sd(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from worker.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-sd", kind="sd")
+
+
+@pytest.fixture(scope="session")
+def tiny_sdxl(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from worker.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-sdxl", kind="sdxl")
+
+
+@pytest.fixture(scope="session")
+def sd_model(tiny_sd: Path):  # noqa: ANN201 - LoadedModel, imported lazily
+    from worker.models import load_model
+
+    return load_model(str(tiny_sd))
+
+
+@pytest.fixture(scope="session")
+def sdxl_model(tiny_sdxl: Path):  # noqa: ANN201
+    from worker.models import load_model
+
+    return load_model(str(tiny_sdxl))
+
+
+@pytest.fixture(scope="session")
+def sd_engine(sd_model):  # noqa: ANN001, ANN201 - Engine on all 8 devices
+    from worker.engine import Engine
+
+    return Engine(sd_model)
+
+
+@pytest.fixture(scope="session")
+def sdxl_engine(sdxl_model):  # noqa: ANN001, ANN201
+    from worker.engine import Engine
+
+    return Engine(sdxl_model)
+
+
+@pytest.fixture(scope="session")
+def gcs_server() -> Iterator[GcsEmulator]:
+    with GcsEmulator() as emulator:
+        yield emulator
+
+
+@pytest.fixture()
+def gcs(gcs_server: GcsEmulator, monkeypatch: pytest.MonkeyPatch) -> GcsEmulator:
+    """The emulator, with the google client of this test pointed at it."""
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server.url)
+    return gcs_server

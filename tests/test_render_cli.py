@@ -1,0 +1,95 @@
+"""`renderfarm render`, the main job, as a user runs it: layout, sidecars, seeds, bad input."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from renderfarm.cli import main
+from renderfarm.storage import open_storage
+from tests.conftest import STEPS
+from tests.gcs_emulator import GcsEmulator
+
+SIDECAR_FIELDS = {"job_id", "spec", "width", "height", "scheduler", "truncated", "model", "dtype",
+                  "png_sha256", "worker", "batch_size", "timings", "versions"}
+
+
+def render(*args: str) -> int:
+    return main(["render", "--steps", str(STEPS), "--quiet", *args])
+
+
+def manifest(root: Path, campaign: str) -> list[dict]:
+    return [json.loads(line) for line in (root / campaign / "manifest.jsonl").read_text().splitlines()]
+
+
+def test_layout_sidecars_and_seeds(tiny_sd: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a lighthouse\n\na red fox\na bowl of ramen\n")
+    out = tmp_path / "out"
+    assert render("an astronaut", "--prompts", str(prompts), "--model", str(tiny_sd),
+                  "--out", str(out), "--campaign", "c1", "--seed", "10", "--negative", "blurry") == 0
+    printed = capsys.readouterr().out
+    assert f"wrote 4 images to {out / 'c1'}" in printed and "images/s" in printed and "compile" in printed
+
+    records = manifest(out, "c1")
+    assert [r["spec"]["prompt"] for r in records] == ["an astronaut", "a lighthouse", "a red fox", "a bowl of ramen"]
+    assert [r["spec"]["seed"] for r in records] == [10, 11, 12, 13]
+    assert len({r["job_id"] for r in records}) == 4
+    for record in records:
+        assert set(record) >= SIDECAR_FIELDS
+        png = (out / "c1" / f"{record['job_id']}.png").read_bytes()
+        assert json.loads((out / "c1" / f"{record['job_id']}.json").read_text()) == record
+        assert hashlib.sha256(png).hexdigest() == record["png_sha256"]
+        assert Image.open(io.BytesIO(png)).size == (64, 64)
+        assert record["spec"]["negative_prompt"] == "blurry" and record["spec"]["campaign"] == "c1"
+        assert record["model"] == {"ref": str(tiny_sd), "revision": None, "family": "sd"}
+        assert record["worker"]["device_count"] == 8 and record["batch_size"] == 8
+        assert (record["width"], record["height"], record["scheduler"]) == (64, 64, "pndm")
+        assert record["versions"]["diffusers"] == "0.39.0"
+
+
+def test_jsonl_jobs_and_gcs_output(tiny_sd: Path, tmp_path: Path, gcs: GcsEmulator) -> None:
+    gcs.create_bucket("renders")
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text('{"prompt": "a fox", "seed": 3, "guidance_scale": 2.0}\n'
+                    '{"prompt": "a dog", "scheduler": "ddim", "campaign": "dogs"}\n')
+    assert render("--prompts", str(jobs), "--model", str(tiny_sd), "--out", "gs://renders/run1",
+                  "--seed", "100") == 0
+    bucket = open_storage("gs://renders/run1")
+    fox, dog = (json.loads(bucket.get(name)) for name in ("local/manifest.jsonl", "dogs/manifest.jsonl"))
+    assert (fox["spec"]["seed"], fox["spec"]["guidance_scale"]) == (3, 2.0)
+    assert (dog["spec"]["seed"], dog["scheduler"]) == (101, "ddim")
+    assert bucket.exists(f"dogs/{dog['job_id']}.png") and bucket.exists(f"local/{fox['job_id']}.json")
+
+
+@pytest.mark.parametrize(("args", "lines", "message"), [
+    (["   "], None, "prompt='   ': must not be empty"),
+    (["a fox", "--width", "72"], None, "width=72: must be a multiple of 16 (the model's size step)"),
+    (["a fox", "--steps", "0"], None, "steps=0: must be in 1..500"),
+    (["a fox", "--guidance", "nan"], None, "guidance_scale=nan: must be finite and in 0..50"),
+    ([], '{"prompt": "a"}\n{"prompt": "b", "scheduler": "heun"}\n',
+     "line 2: scheduler='heun': must be one of pndm, ddim, lms, euler, dpm"),
+    ([], '{"prompt": "a"}\n{"prompt": "b",\n', "line 2: line="),
+])
+def test_bad_input_stops_before_rendering(tiny_sd: Path, tmp_path: Path, capsys: pytest.CaptureFixture,
+                                          args: list[str], lines: str | None, message: str) -> None:
+    if lines is not None:
+        (tmp_path / "jobs.jsonl").write_text(lines)
+        args = [*args, "--prompts", str(tmp_path / "jobs.jsonl")]
+    out = tmp_path / "out"
+    assert render(*args, "--model", str(tiny_sd), "--out", str(out)) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_unknown_scheduler_flag_and_bad_model_folder(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        render("a fox", "--model", str(tmp_path), "--out", str(tmp_path / "o"), "--scheduler", "heun")
+    assert "--scheduler: invalid choice: 'heun'" in capsys.readouterr().err
+    assert render("a fox", "--model", str(tmp_path), "--out", str(tmp_path / "o")) == 2
+    assert "must be a diffusers pipeline folder (no model_index.json found)" in capsys.readouterr().err

@@ -1,0 +1,369 @@
+"""Tests for renderfarm.storage against the local filesystem and a real GCS emulator."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from renderfarm import storage as st
+from renderfarm.storage import (
+    GCSStorage,
+    LocalStorage,
+    RetryPolicy,
+    image_name,
+    manifest_name,
+    open_storage,
+    sidecar_name,
+)
+
+from tests.gcs_emulator import GcsEmulator, create_bucket
+
+FAST_RETRY = RetryPolicy(attempts=6, base_delay=0.05, max_delay=1.0)
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+def _new_bucket(emu: GcsEmulator) -> str:
+    name = f"b-{uuid.uuid4().hex[:12]}"
+    emu.create_bucket(name)
+    return name
+
+
+@pytest.fixture(params=["local", "gs"])
+def store(request, tmp_path):
+    """The same tests for both backends, opened through open_storage like production code."""
+    if request.param == "local":
+        return open_storage(str(tmp_path / "root"))
+    emu = request.getfixturevalue("gcs")
+    return open_storage(f"gs://{_new_bucket(emu)}/some/prefix")
+
+
+# --------------------------------------------------------------------------- basic API
+
+
+def test_put_get_exists_url(store):
+    name = image_name("local", "abc123")
+    assert name == "local/abc123.png"
+    assert not store.exists(name)
+    store.put(name, b"\x89PNG data", "image/png")
+    assert store.exists(name)
+    assert store.get(name) == b"\x89PNG data"
+    if isinstance(store, GCSStorage):
+        assert store.url(name) == f"gs://{store.bucket_name}/some/prefix/local/abc123.png"
+        assert str(store) == f"gs://{store.bucket_name}/some/prefix"
+        blob = store.client.bucket(store.bucket_name).get_blob("some/prefix/local/abc123.png")
+        assert blob.content_type == "image/png"
+    else:
+        assert store.url(name) == str(store.root / "local" / "abc123.png")
+        assert os.path.isabs(store.url(name))
+        assert str(store) == store.root.as_uri()
+        assert not [p for p in (store.root / "local").iterdir() if p.name.startswith(".rf-tmp-")]
+
+
+def test_get_missing_raises_file_not_found(store):
+    with pytest.raises(FileNotFoundError):
+        store.get("nope/missing.json")
+
+
+def test_put_is_idempotent_and_overwrites(store):
+    name = sidecar_name("c1", "ff00")
+    store.put(name, b'{"a": 1}', "application/json")
+    store.put(name, b'{"a": 1}', "application/json")
+    assert store.get(name) == b'{"a": 1}'
+    store.put(name, b'{"a": 2}', "application/json")
+    assert store.get(name) == b'{"a": 2}'
+    assert list(store.list("c1/")) == ["c1/ff00.json"]
+
+
+def test_put_large_object(store):
+    data = os.urandom(9 * 1024 * 1024)  # above the client's 8 MiB resumable-upload threshold
+    store.put("big/blob.bin", data, "application/octet-stream")
+    assert store.get("big/blob.bin") == data
+
+
+def test_list(store):
+    for n in ["c1/aa.png", "c1/aa.json", "c1/ab.png", "c2/aa.png", "c1/sub/x.txt", "top.txt"]:
+        store.put(n, n.encode(), "text/plain")
+    assert list(store.list("c1/")) == ["c1/aa.json", "c1/aa.png", "c1/ab.png", "c1/sub/x.txt"]
+    assert list(store.list("c1/a")) == ["c1/aa.json", "c1/aa.png", "c1/ab.png"]
+    assert list(store.list("c")) == ["c1/aa.json", "c1/aa.png", "c1/ab.png", "c1/sub/x.txt", "c2/aa.png"]
+    assert list(store.list("")) == sorted(
+        ["c1/aa.png", "c1/aa.json", "c1/ab.png", "c2/aa.png", "c1/sub/x.txt", "top.txt"]
+    )
+    assert list(store.list("zz/")) == []
+
+
+def test_append_lines(store):
+    name = manifest_name("camp")
+    assert name == "camp/manifest.jsonl"
+    store.append_lines(name, ['{"job": "a"}'])
+    store.append_lines(name, ['{"job": "b"}', '{"job": "c"}'])
+    store.append_lines(name, [])
+    assert store.get(name) == b'{"job": "a"}\n{"job": "b"}\n{"job": "c"}\n'
+    with pytest.raises(ValueError):
+        store.append_lines(name, ["two\nlines"])
+    with pytest.raises(TypeError):
+        store.append_lines(name, "not a list")  # type: ignore[arg-type]
+    assert store.get(name).count(b"\n") == 3
+
+
+def test_append_repairs_torn_last_line(store):
+    name = "camp/manifest.jsonl"
+    store.put(name, b'{"job": "a"}\n{"job": "tor', "application/x-ndjson")
+    store.append_lines(name, ['{"job": "b"}'])
+    assert store.get(name).splitlines()[-1] == b'{"job": "b"}'
+
+
+@pytest.mark.parametrize("bad", ["/abs", "../x", "a/../b", "a//b", "", "a/./b", "a\\b"])
+def test_bad_names_rejected(store, bad):
+    with pytest.raises(ValueError):
+        store.put(bad, b"x", "text/plain")
+
+
+def test_concurrent_append_threads(store):
+    """4 threads x 50 single-line appends: every line exactly once (no lost CAS updates)."""
+    name = manifest_name("conc")
+    if isinstance(store, GCSStorage):
+        store.retry = FAST_RETRY
+
+    def work(t: int) -> None:
+        for i in range(50):
+            store.append_lines(name, [f'{{"t": {t}, "i": {i}}}'])
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    lines = store.get(name).decode().splitlines()
+    expected = {f'{{"t": {t}, "i": {i}}}' for t in range(4) for i in range(50)}
+    assert len(lines) == 200
+    assert set(lines) == expected
+
+
+def _proc_append_worker(root: str, proc: int) -> None:
+    """Runs in a spawned process: 2 threads x 50 appends each."""
+    s = open_storage(root)
+
+    def work(t: int) -> None:
+        for i in range(50):
+            s.append_lines("conc/manifest.jsonl", [f"p{proc}-t{t}-{i}"])
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+
+
+def test_concurrent_append_local_processes(tmp_path):
+    """2 processes x 2 threads x 50 lines: flock keeps whole lines, none lost or duplicated."""
+    root = str(tmp_path / "root")
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_proc_append_worker, args=(root, p)) for p in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    lines = (tmp_path / "root" / "conc" / "manifest.jsonl").read_text().splitlines()
+    assert len(lines) == 200
+    assert set(lines) == {f"p{p}-t{t}-{i}" for p in range(2) for t in range(2) for i in range(50)}
+
+
+# --------------------------------------------------------------------------- layout rules
+
+
+@pytest.mark.parametrize("bad", ["../x", "a/b", "", "x" * 129, "..", ".", "a b", "é"])
+def test_campaign_rules(bad):
+    for fn in (lambda: image_name(bad, "ab"), lambda: sidecar_name(bad, "ab"), lambda: manifest_name(bad)):
+        with pytest.raises(ValueError) as ei:
+            fn()
+        msg = str(ei.value)
+        assert "campaign" in msg
+        assert repr(bad) in msg
+        assert "[A-Za-z0-9._-]{1,128}" in msg
+
+
+@pytest.mark.parametrize("good", ["local", "x" * 128, "a.b_c-D9", "..."])
+def test_campaign_ok(good):
+    assert manifest_name(good) == f"{good}/manifest.jsonl"
+
+
+@pytest.mark.parametrize("bad", ["", "xyz", "AB", "../ab", "ab/cd", "a" * 129])
+def test_job_id_rules(bad):
+    with pytest.raises(ValueError, match="job_id"):
+        image_name("c", bad)
+
+
+# --------------------------------------------------------------------------- open_storage
+
+
+def test_open_storage_url_forms(tmp_path, monkeypatch, gcs):
+    monkeypatch.chdir(tmp_path)
+    rel = open_storage("out/rel")
+    assert isinstance(rel, LocalStorage) and rel.root == tmp_path / "out" / "rel" and rel.root.is_dir()
+    fileurl = open_storage(f"file://{tmp_path}/viafile")
+    assert isinstance(fileurl, LocalStorage) and fileurl.root == tmp_path / "viafile" and fileurl.root.is_dir()
+    assert open_storage(str(fileurl)).root == fileurl.root  # describe() round-trips
+
+    bucket = _new_bucket(gcs)
+    bare = open_storage(f"gs://{bucket}")
+    assert isinstance(bare, GCSStorage) and bare.prefix == ""
+    assert str(bare) == f"gs://{bucket}"
+    bare.put("c/ab.png", b"png", "image/png")
+    assert bare.url("c/ab.png") == f"gs://{bucket}/c/ab.png"
+    assert list(bare.list("")) == ["c/ab.png"]
+    assert open_storage(f"gs://{bucket}/p/q/").prefix == "p/q"
+
+    for bad in ["s3://x/y", "gs:///nobucket", "", "gs://UPPER/x"]:
+        with pytest.raises(ValueError):
+            open_storage(bad)
+
+
+def test_package_imports_without_jax():
+    code = "import sys, renderfarm.storage; assert 'jax' not in sys.modules; assert 'google.cloud.storage' not in sys.modules"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+# --------------------------------------------------------------------------- emulator honesty
+
+
+def test_emulator_enforces_preconditions(gcs):
+    """The CAS in append_lines is only tested if the emulator really enforces preconditions."""
+    from google.api_core.exceptions import PreconditionFailed
+
+    bucket = _new_bucket(gcs)
+    client = st.make_gcs_client()
+    blob = client.bucket(bucket).blob("obj")
+    blob.upload_from_string(b"one", if_generation_match=0)
+    with pytest.raises(PreconditionFailed):
+        client.bucket(bucket).blob("obj").upload_from_string(b"two", if_generation_match=0)
+    gen = client.bucket(bucket).get_blob("obj").generation
+    with pytest.raises(PreconditionFailed):
+        client.bucket(bucket).blob("obj").upload_from_string(b"two", if_generation_match=gen + 1)
+    # resumable (chunked) uploads honour it too
+    with pytest.raises(PreconditionFailed):
+        client.bucket(bucket).blob("obj", chunk_size=256 * 1024).upload_from_string(
+            os.urandom(600 * 1024), if_generation_match=0
+        )
+    assert client.bucket(bucket).blob("obj").download_as_bytes() == b"one"
+    # ... and our put does not treat 412 as transient
+    assert not st.is_transient_error(PreconditionFailed("x"))
+
+
+# --------------------------------------------------------------------------- transient errors
+
+
+def _restart_later(emu: GcsEmulator, delay: float) -> threading.Thread:
+    th = threading.Thread(target=lambda: (time.sleep(delay), emu.start()), daemon=True)
+    th.start()
+    return th
+
+
+def test_gcs_outage_is_retried(tmp_path, monkeypatch):
+    """Operations issued while the emulator is down succeed once it is back on the same port."""
+    with GcsEmulator(data_dir=tmp_path / "gcs") as emu:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", emu.url)
+        create_bucket(emu.url, "outage")
+        s = GCSStorage("outage", "p", retry=RetryPolicy(attempts=8, base_delay=0.2, max_delay=1.0))
+        s.put("c/before.png", b"before", "image/png")  # warm the connection pool
+        s.append_lines("c/manifest.jsonl", ["one"])
+
+        emu.stop()
+        th = _restart_later(emu, 1.5)
+        t0 = time.monotonic()
+        s.put("c/during.png", b"during", "image/png")
+        assert time.monotonic() - t0 >= 1.0
+        th.join()
+        assert s.get("c/during.png") == b"during"
+        assert s.get("c/before.png") == b"before"  # data survived the restart
+
+        emu.stop()
+        th = _restart_later(emu, 1.0)
+        s.append_lines("c/manifest.jsonl", ["two"])
+        th.join()
+        assert s.get("c/manifest.jsonl") == b"one\ntwo\n"
+
+        # persistent outage: bounded retries, then the transient error is re-raised
+        emu.stop()
+        s.retry = RetryPolicy(attempts=3, base_delay=0.01)
+        t0 = time.monotonic()
+        with pytest.raises(Exception) as ei:
+            s.put("c/never.png", b"x", "image/png")
+        assert st.is_transient_error(ei.value)
+        assert time.monotonic() - t0 < 5
+
+
+def test_append_ambiguous_write_not_duplicated(gcs, monkeypatch):
+    """If the write lands but the response is lost, the retry must not append the lines again."""
+    import requests
+    from google.cloud.storage import Blob
+
+    s = GCSStorage(_new_bucket(gcs), retry=FAST_RETRY)
+    s.append_lines("m.jsonl", ["a"])
+    real = Blob.upload_from_string
+    calls = {"n": 0}
+
+    def flaky(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise requests.ConnectionError("response lost")
+
+    monkeypatch.setattr(Blob, "upload_from_string", flaky)
+    s.append_lines("m.jsonl", ["b"])
+    assert s.get("m.jsonl") == b"a\nb\n"
+
+
+def test_local_transient_oserror_retried(tmp_path, monkeypatch):
+    import errno
+
+    s = LocalStorage(tmp_path / "r", retry=FAST_RETRY)
+    real = os.replace
+    calls = {"n": 0}
+
+    def flaky(src, dst):
+        calls["n"] += 1
+        if calls["n"] <= 2:
+            raise OSError(errno.EIO, "I/O error")
+        return real(src, dst)
+
+    monkeypatch.setattr(st.os, "replace", flaky)
+    s.put("c/x.png", b"data", "image/png")
+    assert s.get("c/x.png") == b"data"
+    assert calls["n"] == 3
+    assert list(s.list("c/")) == ["c/x.png"]  # failed attempts left no temp files behind
+
+
+def test_is_transient_error_classification():
+    import requests
+    from google.api_core import exceptions as gexc
+
+    for exc in [
+        gexc.TooManyRequests("x"),
+        gexc.ServiceUnavailable("x"),
+        gexc.InternalServerError("x"),
+        gexc.GatewayTimeout("x"),
+        requests.ConnectionError("x"),
+        requests.Timeout("x"),
+        ConnectionResetError(),
+        ConnectionRefusedError(),
+        TimeoutError(),
+    ]:
+        assert st.is_transient_error(exc), exc
+    for exc in [gexc.PreconditionFailed("x"), gexc.NotFound("x"), gexc.Forbidden("x"), ValueError(), FileNotFoundError()]:
+        assert not st.is_transient_error(exc), exc
+    assert st.is_transient_error(OSError(5, "EIO"), local=True)
+    assert not st.is_transient_error(FileNotFoundError(2, "x"), local=True)
+    assert not st.is_transient_error(PermissionError(13, "x"), local=True)

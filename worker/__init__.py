@@ -1,0 +1,1 @@
+"""Render-farm worker: loads diffusion pipelines and renders jobs on JAX devices."""

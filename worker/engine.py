@@ -1,0 +1,247 @@
+"""The engine: one loaded model, its parameters on every local device, and one compiled
+program per shape key. Host-side only: it tokenizes, makes seeds into keys, pads batches
+and calls the jitted functions of `worker.generate`.
+
+Data parallelism is `jax.jit` of a `shard_map` over a one-axis device mesh: the batch axis
+of every input is split over devices, parameters are replicated, and each device runs the
+per-device program (docs/performance.md has the measurements against pmap and against
+jit's automatic partitioning).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import logging
+import os
+import time
+from collections.abc import Iterator, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from renderfarm.jobs import JobError, JobSpec
+from worker.generate import GENERATORS, Inputs, Static
+from worker.models import LoadedModel, quiet_diffusers
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeKey:
+    """Jobs that share this share a compiled program (the model is the engine's own)."""
+
+    width: int
+    height: int
+    steps: int
+    scheduler: str
+
+    def __str__(self) -> str:
+        return f"{self.width}x{self.height}@{self.steps} {self.scheduler}"
+
+
+@dataclasses.dataclass
+class Rendered:
+    """One finished job: its pixels and what the sidecar must say about how they were made."""
+
+    index: int  # position in the list given to the engine
+    spec: JobSpec
+    image: np.ndarray  # (H, W, 3) uint8
+    key: ShapeKey
+    truncated: bool
+    batch_size: int
+    batch_seconds: float
+
+
+def enable_compilation_cache(folder: str | os.PathLike | None = None) -> Path:
+    """Turn on JAX's persistent cache, small programs included, so a second process starts
+    warm. The folder holds executable code: it is created private to this user."""
+    path = Path(folder or Path.home() / ".cache" / "renderfarm" / "jax").expanduser()
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
+BATCH, REPLICATED = PartitionSpec("data"), PartitionSpec()
+CACHE_HIT = "/jax/compilation_cache/cache_hits"
+JAX_EVENTS: collections.Counter[str] = collections.Counter()
+
+
+@functools.cache
+def _count_jax_events() -> None:
+    """Count JAX's monitoring events (persistent-cache hits among them) in this process."""
+    jax.monitoring.register_event_listener(lambda event, **_: JAX_EVENTS.update([event]))
+
+
+def scheduler_classes() -> dict[str, Any]:
+    """Scheduler names of the job contract. diffusers' Flax LMS cannot run under jit, so
+    "lms" is our own port (worker.schedulers)."""
+    from diffusers import (
+        FlaxDDIMScheduler, FlaxDPMSolverMultistepScheduler, FlaxEulerDiscreteScheduler, FlaxPNDMScheduler,
+    )
+
+    from worker.schedulers import LMSScheduler
+
+    return {"pndm": FlaxPNDMScheduler, "ddim": FlaxDDIMScheduler, "lms": LMSScheduler,
+            "euler": FlaxEulerDiscreteScheduler, "dpm": FlaxDPMSolverMultistepScheduler}
+
+
+class Engine:
+    """Renders lists of job specs on all local devices, in job order."""
+
+    def __init__(self, model: LoadedModel, per_device_batch: int = 1,
+                 devices: Sequence[jax.Device] | None = None) -> None:
+        if per_device_batch < 1:
+            raise JobError("per_device_batch", per_device_batch, "must be at least 1")
+        self.model = model
+        self.devices = list(devices or jax.local_devices())
+        self.batch_size = len(self.devices) * per_device_batch
+        mesh = Mesh(np.array(self.devices), ("data",))
+        self._sharded = NamedSharding(mesh, BATCH)
+        self._replicated = NamedSharding(mesh, REPLICATED)
+        self._params = jax.device_put(
+            {k: v for k, v in model.params.items() if k != "scheduler"}, self._replicated)
+        pipe = model.pipe
+        self._tokenizers = [pipe.tokenizer] + ([pipe.tokenizer_2] if model.family == "sdxl" else [])
+        # transformers warns of every text over 77 tokens; the engine records those instead.
+        logging.getLogger("transformers.tokenization_utils_base").setLevel(logging.ERROR)
+        self._schedulers: dict[str, tuple[Any, Any]] = {}
+        self._compiled: dict[ShapeKey, Any] = {}
+        self.compile_seconds = 0.0
+        self.cache_hits = 0  # programs found in the persistent compilation cache
+        _count_jax_events()
+
+    # -- validation and grouping -------------------------------------------------------
+
+    def check(self, spec: JobSpec) -> ShapeKey:
+        """The worker-side rules that need the model; returns the job's shape key."""
+        if spec.model != self.model.ref:
+            raise JobError("model", spec.model, f"this engine serves {self.model.ref!r}")
+        if spec.dtype != self.model.dtype:
+            raise JobError("dtype", spec.dtype, f"this engine runs {self.model.dtype}")
+        step = self.model.size_step
+        for field in ("width", "height"):
+            value = getattr(spec, field)
+            if value is not None and value % step:
+                raise JobError(field, value, f"must be a multiple of {step} (the model's size step)")
+        native = self.model.native_size
+        return ShapeKey(spec.width or native, spec.height or native, spec.steps,
+                        spec.scheduler or self.model.default_scheduler)
+
+    def plan(self, specs: Sequence[JobSpec]) -> list[tuple[ShapeKey, list[int]]]:
+        """Group job indices by shape key (first-seen order) and cut them into batches."""
+        groups: dict[ShapeKey, list[int]] = {}
+        for i, spec in enumerate(specs):
+            groups.setdefault(self.check(spec), []).append(i)
+        return [(key, idx[s:s + self.batch_size])
+                for key, idx in groups.items() for s in range(0, len(idx), self.batch_size)]
+
+    # -- compilation -----------------------------------------------------------------
+
+    def _scheduler(self, name: str) -> tuple[Any, Any]:
+        if name not in self._schedulers:
+            with quiet_diffusers():
+                scheduler = scheduler_classes()[name].from_config(self.model.pipe.scheduler.config)
+                state = jax.device_put(scheduler.create_state(), self._replicated)
+            self._schedulers[name] = (scheduler, state)
+        return self._schedulers[name]
+
+    def _abstract_inputs(self) -> Inputs:
+        ids = (self.batch_size, 77) if self.model.family == "sd" else (self.batch_size, 2, 77)
+        spec = partial(jax.ShapeDtypeStruct, sharding=self._sharded)
+        return Inputs(spec(ids, jnp.int32), spec(ids, jnp.int32), spec((self.batch_size,), jnp.bool_),
+                      spec((self.batch_size, 2), jnp.uint32), spec((self.batch_size,), jnp.float32))
+
+    def compiled(self, key: ShapeKey) -> Any:
+        """The executable for a shape key, compiled once per process (and found in JAX's
+        persistent cache by the next process)."""
+        if key not in self._compiled:
+            scheduler, state = self._scheduler(key.scheduler)
+            fn = partial(GENERATORS[self.model.family], self.model.pipe, scheduler,
+                         Static(key.height, key.width, key.steps))
+            # Each device runs the per-device program on its slice of the batch, as pmap
+            # would; check_vma=False because diffusers' scheduler state starts unvarying.
+            fn = jax.shard_map(fn, mesh=self._sharded.mesh, in_specs=(REPLICATED, REPLICATED, BATCH),
+                               out_specs=BATCH, check_vma=False)
+            start, hits = time.perf_counter(), JAX_EVENTS[CACHE_HIT]
+            with quiet_diffusers():
+                self._compiled[key] = jax.jit(fn).lower(self._params, state, self._abstract_inputs()).compile()
+            self.compile_seconds += time.perf_counter() - start
+            self.cache_hits += JAX_EVENTS[CACHE_HIT] - hits
+        return self._compiled[key]
+
+    # -- rendering -------------------------------------------------------------------
+
+    def tokenize(self, texts: list[str]) -> tuple[np.ndarray, list[bool]]:
+        """Token ids as the pipelines' `prepare_inputs` makes them (BOS, tokens, EOS, padded
+        or cut to 77), from one tokenizer call per tokenizer; and which texts were cut."""
+        length = self._tokenizers[0].model_max_length
+        row_of = {text: row for row, text in enumerate(dict.fromkeys(texts))}  # batches repeat texts
+        out, truncated = [], [False] * len(row_of)
+        for tok in self._tokenizers:
+            ids = np.full((len(row_of), length), tok.pad_token_id, dtype=np.int32)
+            for row, tokens in enumerate(tok(list(row_of)).input_ids):
+                if len(tokens) > length:
+                    tokens, truncated[row] = tokens[:length - 1] + tokens[-1:], True
+                ids[row, :len(tokens)] = tokens
+            out.append(ids)
+        rows = [row_of[text] for text in texts]
+        stacked = out[0] if len(out) == 1 else np.stack(out, axis=1)
+        return stacked[rows], [truncated[r] for r in rows]
+
+    def _inputs(self, jobs: list[JobSpec]) -> tuple[Inputs, list[bool]]:
+        padded = jobs + [jobs[-1]] * (self.batch_size - len(jobs))
+        prompt_ids, truncated = self.tokenize([j.prompt for j in padded])
+        negative_ids, _ = self.tokenize([j.negative_prompt for j in padded])
+        host = Inputs(
+            prompt_ids=prompt_ids,
+            negative_ids=negative_ids,
+            has_negative=np.array([j.negative_prompt != "" for j in padded]),
+            keys=np.array([[0, j.seed] for j in padded], dtype=np.uint32),  # == PRNGKey(seed)
+            guidance=np.array([j.guidance_scale for j in padded], dtype=np.float32),
+        )
+        return Inputs(*jax.device_put(tuple(host), self._sharded)), truncated[:len(jobs)]
+
+    def dispatch(self, key: ShapeKey, jobs: list[JobSpec]) -> tuple[jax.Array, list[bool]]:
+        """Start one batch on the devices; returns at once (JAX dispatch is asynchronous)."""
+        scheduler, state = self._scheduler(key.scheduler)
+        inputs, truncated = self._inputs(jobs)
+        return self.compiled(key)(self._params, state, inputs), truncated
+
+    def prepare(self, specs: Sequence[JobSpec]) -> list[tuple[ShapeKey, list[int]]]:
+        """Validate every job and compile every shape it needs, before anything renders."""
+        plan = self.plan(specs)
+        for key, _ in plan:
+            self.compiled(key)
+        return plan
+
+    def iter_render(self, specs: Sequence[JobSpec],
+                    plan: list[tuple[ShapeKey, list[int]]] | None = None) -> Iterator[list[Rendered]]:
+        """Yield each batch's results while the next batch already runs on the devices."""
+        plan = self.prepare(specs) if plan is None else plan
+        pending = None
+        for key, idx in [*plan, (None, None)]:
+            started = None
+            if key is not None:
+                started = (key, idx, *self.dispatch(key, [specs[i] for i in idx]), time.perf_counter())
+            if pending is not None:
+                yield self._collect(specs, *pending)
+            pending = started
+
+    def _collect(self, specs: Sequence[JobSpec], key: ShapeKey, idx: list[int], images: jax.Array,
+                 truncated: list[bool], started: float) -> list[Rendered]:
+        pixels = np.asarray(images)
+        seconds = time.perf_counter() - started
+        return [Rendered(i, specs[i], pixels[n], key, truncated[n], self.batch_size, seconds)
+                for n, i in enumerate(idx)]
+
+    def render(self, specs: Sequence[JobSpec]) -> list[Rendered]:
+        """All jobs, in the order given, padding dropped."""
+        done = [r for batch in self.iter_render(specs) for r in batch]
+        return sorted(done, key=lambda r: r.index)

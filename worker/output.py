@@ -1,0 +1,124 @@
+"""Finished jobs into stored results: PNG, sidecar JSON and manifest lines (DESIGN.md layout).
+
+The PNG carries only what defines its pixels, so a job rendered twice gives the same bytes;
+where, when and how fast it was rendered goes in the sidecar.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import hashlib
+import io
+import json
+import socket
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from importlib import metadata
+from typing import Any
+
+import jax
+from PIL import Image, PngImagePlugin
+
+from renderfarm.storage import Storage, image_name, manifest_name, sidecar_name
+from worker.engine import Rendered
+from worker.models import LoadedModel
+
+LIBRARIES = ("renderfarm", "jax", "jaxlib", "flax", "diffusers", "transformers")
+
+
+@functools.cache
+def library_versions() -> dict[str, str]:
+    versions = {}
+    for name in LIBRARIES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "unknown"
+    return versions
+
+
+def encode_png(result: Rendered) -> bytes:
+    """Deterministic PNG: same job, same pixels, same bytes."""
+    info = PngImagePlugin.PngInfo()
+    info.add_text("renderfarm", json.dumps({"job_id": result.spec.job_id, **result.spec.to_dict()}))
+    buffer = io.BytesIO()
+    Image.fromarray(result.image).save(buffer, format="PNG", pnginfo=info)
+    return buffer.getvalue()
+
+
+def sidecar(result: Rendered, model: LoadedModel, png: bytes, devices: list[jax.Device]) -> dict[str, Any]:
+    """Everything needed to reproduce and audit one image."""
+    key = result.key
+    return {
+        "job_id": result.spec.job_id,
+        "spec": result.spec.to_dict(),
+        "width": key.width,
+        "height": key.height,
+        "scheduler": key.scheduler,
+        "truncated": result.truncated,
+        "model": {"ref": model.ref, "revision": model.revision, "family": model.family},
+        "dtype": model.dtype,
+        "png_sha256": hashlib.sha256(png).hexdigest(),
+        "worker": {"host": socket.gethostname(), "device_kind": devices[0].device_kind,
+                   "device_count": len(devices)},
+        "batch_size": result.batch_size,
+        "timings": {"batch_seconds": round(result.batch_seconds, 4)},
+        "versions": library_versions(),
+    }
+
+
+def store_result(storage: Storage, result: Rendered, model: LoadedModel,
+                 devices: list[jax.Device]) -> dict[str, Any]:
+    """Store one job's PNG, then its sidecar (so a sidecar always has its image)."""
+    png = encode_png(result)
+    record = sidecar(result, model, png, devices)
+    campaign, job_id = result.spec.campaign, result.spec.job_id
+    storage.put(image_name(campaign, job_id), png, "image/png")
+    storage.put(sidecar_name(campaign, job_id), json.dumps(record, indent=1).encode(), "application/json")
+    return record
+
+
+class BatchWriter:
+    """Encodes and stores finished batches on a thread pool while the devices render the
+    next ones (PNG encoding and uploads release the GIL). At most `max_pending` batches
+    wait, so memory stays bounded; `submit` blocks beyond that. Manifest lines are appended
+    per batch, in batch order, once all of its jobs are stored."""
+
+    def __init__(self, storage: Storage, model: LoadedModel, devices: list[jax.Device],
+                 threads: int = 4, max_pending: int = 2,
+                 on_stored: Callable[[list[dict[str, Any]]], None] = lambda records: None) -> None:
+        self.storage, self.model, self.devices = storage, model, devices
+        self.max_pending, self.on_stored = max_pending, on_stored
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="store")
+        self._pending: collections.deque[list[Future[dict[str, Any]]]] = collections.deque()
+
+    def submit(self, batch: list[Rendered]) -> None:
+        self._pending.append([self._pool.submit(store_result, self.storage, r, self.model, self.devices)
+                              for r in batch])
+        while self._pending and (len(self._pending) > self.max_pending
+                                 or all(f.done() for f in self._pending[0])):
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        records = [f.result() for f in self._pending.popleft()]  # re-raises a failed store
+        by_campaign: dict[str, list[str]] = {}
+        for record in records:
+            by_campaign.setdefault(record["spec"]["campaign"], []).append(json.dumps(record))
+        for campaign, lines in by_campaign.items():
+            self.storage.append_lines(manifest_name(campaign), lines)
+        self.on_stored(records)
+
+    def close(self) -> None:
+        """Wait for every submitted batch to be stored."""
+        try:
+            while self._pending:
+                self._finish_oldest()
+        finally:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> BatchWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
