@@ -25,6 +25,7 @@ test: $(BIN)/.installed
 
 bench: $(BIN)/.installed
 	$(BIN)/python bench/engine_vs_direct.py
+	PYTHONPATH=. $(BIN)/python bench/farm.py
 
 # Re-resolve every dependency from scratch and write the lock (run after changing pyproject).
 lock:

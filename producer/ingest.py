@@ -15,9 +15,10 @@ from typing import Any
 from renderfarm.jobs import SEED_LIMIT, SIZE_STEP, JobError, JobSpec, parse_job
 
 FORMATS = (".txt", ".jsonl")
+Row = tuple[int | None, Mapping[str, Any]]  # (line number or None for a given prompt, fields)
 
 
-def read_prompt_file(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
+def read_prompt_file(path: str | Path) -> Iterator[Row]:
     """Yield (line number, job fields) for each non-blank line of a .txt or .jsonl file."""
     path = Path(path)
     if path.suffix not in FORMATS:
@@ -44,7 +45,7 @@ def read_prompt_file(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
             yield number, fields
 
 
-def build_jobs(rows: Iterable[tuple[int | None, Mapping[str, Any]]], defaults: Mapping[str, Any],
+def build_jobs(rows: Iterable[Row], defaults: Mapping[str, Any],
                base_seed: int | None = None, size_step: int = SIZE_STEP) -> Iterator[JobSpec]:
     """Merge each row over the flag defaults and validate it. The i-th job gets seed
     base_seed + i unless its row names a seed; without a base seed, a random recorded one."""
@@ -57,3 +58,10 @@ def build_jobs(rows: Iterable[tuple[int | None, Mapping[str, Any]]], defaults: M
             yield parse_job(fields, size_step=size_step)
         except JobError as err:
             raise err.at_line(line) if line is not None else err from None
+
+
+def prompt_rows(prompts: Iterable[str], prompts_file: str | Path | None) -> Iterator[Row]:
+    """Given prompts first, then the file's lines, in input order (as `render` reads them)."""
+    yield from ((None, {"prompt": p}) for p in prompts)
+    if prompts_file is not None:
+        yield from read_prompt_file(prompts_file)

@@ -35,15 +35,6 @@ def job_defaults(args: argparse.Namespace) -> dict[str, Any]:
     return {name: getattr(args, name) for name in names}
 
 
-def job_rows(args: argparse.Namespace) -> itertools.chain:
-    """Positional prompts first, then the file's lines, in input order."""
-    from producer.ingest import read_prompt_file
-
-    given = ((None, {"prompt": p}) for p in args.prompts_args)
-    from_file = read_prompt_file(args.prompts) if args.prompts else iter(())
-    return itertools.chain(given, from_file)
-
-
 def cmd_tiny_model(args: argparse.Namespace) -> int:
     from worker.tiny import build_tiny_model
 
@@ -53,10 +44,10 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    from producer.ingest import build_jobs
+    from producer.ingest import build_jobs, prompt_rows
     from renderfarm.storage import open_storage
 
-    rows = job_rows(args)
+    rows = prompt_rows(args.prompts_args, args.prompts)
     first = list(itertools.islice(rows, 1))
     if not first:
         raise JobError("prompts", None, "give at least one PROMPT or --prompts FILE")
@@ -100,6 +91,16 @@ def parser() -> argparse.ArgumentParser:
                              "(default: $RENDERFARM_COMPILE_CACHE or ~/.cache/renderfarm/jax)")
     render.add_argument("--quiet", action="store_true", help="no progress bar")
     render.set_defaults(handler=cmd_render)
+
+    from worker import commands as worker_commands  # argparse only: no JAX until it runs
+
+    worker_commands.register(sub)
+    from producer import commands as producer_commands  # no JAX; imports Celery, kombu, redis
+
+    producer_commands.register(sub)
+    from renderfarm import flower  # argparse only: Flower and Celery load when it runs
+
+    flower.register(sub)
     return top
 
 

@@ -70,7 +70,7 @@ class JobSpec:
         return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:32]
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(JobSpec)}

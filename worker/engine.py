@@ -92,6 +92,21 @@ def scheduler_classes() -> dict[str, Any]:
             "euler": FlaxEulerDiscreteScheduler, "dpm": FlaxDPMSolverMultistepScheduler}
 
 
+@dataclasses.dataclass
+class InFlight:
+    """A batch started on the devices and not collected yet."""
+
+    specs: list[JobSpec]
+    indices: list[int]  # positions in the list the batch was cut from
+    key: ShapeKey
+    images: Any  # jax.Array (B, H, W, 3) uint8, still computing
+    truncated: list[bool]
+    started: float
+
+    def ready(self) -> bool:
+        return not isinstance(self.images, jax.Array) or self.images.is_ready()
+
+
 class Engine:
     """Renders lists of job specs on all local devices, in job order."""
 
@@ -221,27 +236,50 @@ class Engine:
             self.compiled(key)
         return plan
 
+    def start(self, specs: Sequence[JobSpec], key: ShapeKey, idx: list[int]) -> InFlight:
+        """Start the batch `specs[i] for i in idx` on the devices and return at once."""
+        images, truncated = self.dispatch(key, [specs[i] for i in idx])
+        return InFlight([specs[i] for i in idx], idx, key, images, truncated, time.perf_counter())
+
+    def collect(self, batch: InFlight) -> list[Rendered]:
+        """Wait for a started batch; its jobs' images, padding dropped."""
+        pixels = np.asarray(batch.images)
+        seconds = time.perf_counter() - batch.started
+        return [Rendered(i, spec, pixels[n], batch.key, batch.truncated[n], self.batch_size, seconds)
+                for n, (i, spec) in enumerate(zip(batch.indices, batch.specs))]
+
     def iter_render(self, specs: Sequence[JobSpec],
                     plan: list[tuple[ShapeKey, list[int]]] | None = None) -> Iterator[list[Rendered]]:
         """Yield each batch's results while the next batch already runs on the devices."""
         plan = self.prepare(specs) if plan is None else plan
         pending = None
-        for key, idx in [*plan, (None, None)]:
-            started = None
-            if key is not None:
-                started = (key, idx, *self.dispatch(key, [specs[i] for i in idx]), time.perf_counter())
+        for key, idx in plan:
+            started = self.start(specs, key, idx)
             if pending is not None:
-                yield self._collect(specs, *pending)
+                yield self.collect(pending)
             pending = started
-
-    def _collect(self, specs: Sequence[JobSpec], key: ShapeKey, idx: list[int], images: jax.Array,
-                 truncated: list[bool], started: float) -> list[Rendered]:
-        pixels = np.asarray(images)
-        seconds = time.perf_counter() - started
-        return [Rendered(i, specs[i], pixels[n], key, truncated[n], self.batch_size, seconds)
-                for n, i in enumerate(idx)]
+        if pending is not None:
+            yield self.collect(pending)
 
     def render(self, specs: Sequence[JobSpec]) -> list[Rendered]:
         """All jobs, in the order given, padding dropped."""
         done = [r for batch in self.iter_render(specs) for r in batch]
         return sorted(done, key=lambda r: r.index)
+
+
+class StandInEngine(Engine):
+    """Benchmarks the control plane: the engine's validation, batching and output, but a
+    batch "renders" by sleeping a fixed time (an accelerator that is never slow to answer)
+    and gives blank images."""
+
+    def __init__(self, model: LoadedModel, seconds_per_batch: float, per_device_batch: int = 1,
+                 devices: Sequence[jax.Device] | None = None) -> None:
+        super().__init__(model, per_device_batch, devices)
+        self.seconds_per_batch = seconds_per_batch
+
+    def compiled(self, key: ShapeKey) -> None:
+        return None
+
+    def dispatch(self, key: ShapeKey, jobs: list[JobSpec]) -> tuple[np.ndarray, list[bool]]:
+        time.sleep(self.seconds_per_batch)
+        return np.zeros((self.batch_size, key.height, key.width, 3), np.uint8), [False] * len(jobs)

@@ -11,6 +11,7 @@ import functools
 import hashlib
 import io
 import json
+import os
 import socket
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -60,7 +61,7 @@ def sidecar(result: Rendered, model: LoadedModel, png: bytes, devices: list[jax.
         "model": {"ref": model.ref, "revision": model.revision, "family": model.family},
         "dtype": model.dtype,
         "png_sha256": hashlib.sha256(png).hexdigest(),
-        "worker": {"host": socket.gethostname(), "device_kind": devices[0].device_kind,
+        "worker": {"host": socket.gethostname(), "pid": os.getpid(), "device_kind": devices[0].device_kind,
                    "device_count": len(devices)},
         "batch_size": result.batch_size,
         "timings": {"batch_seconds": round(result.batch_seconds, 4)},
@@ -82,38 +83,58 @@ def store_result(storage: Storage, result: Rendered, model: LoadedModel,
 class BatchWriter:
     """Encodes and stores finished batches on a thread pool while the devices render the
     next ones (PNG encoding and uploads release the GIL). At most `max_pending` batches
-    wait, so memory stays bounded; `submit` blocks beyond that. Manifest lines are appended
-    per batch, in batch order, once all of its jobs are stored."""
+    wait, so memory stays bounded; `submit` blocks beyond that. Per batch, in batch order,
+    once all of its jobs are through: manifest lines for the stored ones, then
+    `on_stored(records)`, then `on_failed(result, error)` for each job that could not be
+    stored (by default the error is raised)."""
 
     def __init__(self, storage: Storage, model: LoadedModel, devices: list[jax.Device],
-                 threads: int = 4, max_pending: int = 2,
-                 on_stored: Callable[[list[dict[str, Any]]], None] = lambda records: None) -> None:
+                 threads: int = 2, max_pending: int = 2,
+                 on_stored: Callable[[list[dict[str, Any]]], None] = lambda records: None,
+                 on_failed: Callable[[Rendered, Exception], None] | None = None) -> None:
         self.storage, self.model, self.devices = storage, model, devices
-        self.max_pending, self.on_stored = max_pending, on_stored
+        self.max_pending, self.on_stored, self.on_failed = max_pending, on_stored, on_failed
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="store")
-        self._pending: collections.deque[list[Future[dict[str, Any]]]] = collections.deque()
+        self._pending: collections.deque[list[tuple[Rendered, Future[dict[str, Any]]]]] = collections.deque()
 
     def submit(self, batch: list[Rendered]) -> None:
-        self._pending.append([self._pool.submit(store_result, self.storage, r, self.model, self.devices)
+        self._pending.append([(r, self._pool.submit(store_result, self.storage, r, self.model, self.devices))
                               for r in batch])
-        while self._pending and (len(self._pending) > self.max_pending
-                                 or all(f.done() for f in self._pending[0])):
+        while len(self._pending) > self.max_pending:
+            self._finish_oldest()
+        self.poll()
+
+    def poll(self) -> None:
+        """Finish the batches, oldest first, that are stored already; never blocks on one."""
+        while self._pending and all(f.done() for _, f in self._pending[0]):
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:
-        records = [f.result() for f in self._pending.popleft()]  # re-raises a failed store
+        records, failures = [], []
+        for result, future in self._pending.popleft():
+            try:
+                records.append(future.result())
+            except Exception as err:  # noqa: BLE001 - handed to on_failed, raised by default
+                failures.append((result, err))
         by_campaign: dict[str, list[str]] = {}
         for record in records:
             by_campaign.setdefault(record["spec"]["campaign"], []).append(json.dumps(record))
         for campaign, lines in by_campaign.items():
             self.storage.append_lines(manifest_name(campaign), lines)
         self.on_stored(records)
+        for result, err in failures:
+            if self.on_failed is None:
+                raise err
+            self.on_failed(result, err)
+
+    def flush(self) -> None:
+        """Wait for every submitted batch to be stored."""
+        while self._pending:
+            self._finish_oldest()
 
     def close(self) -> None:
-        """Wait for every submitted batch to be stored."""
         try:
-            while self._pending:
-                self._finish_oldest()
+            self.flush()
         finally:
             self._pool.shutdown(wait=True, cancel_futures=True)
 

@@ -1,0 +1,133 @@
+"""Farm benchmarks: each part prints its figures (they are not tests).
+
+(a) submit: the real producer path (`producer.submit`: a validating pass over the file, then
+    chunked, pipelined enqueue of real Celery messages) of an N-line prompt file into a fresh
+    redis-server; jobs/s and the process's peak RSS (flat in the file's size).
+
+(b) control plane: one `renderfarm worker` whose renderer is a stand-in that answers at
+    once (`--stand-in 0`): jobs/s through broker, batching, events, results and storage.
+(c) end to end: one worker with the tiny model against `renderfarm render` of the same jobs
+    (both after compile); farm images/s divided by local images/s.
+
+Usage: PYTHONPATH=. python bench/farm.py [--parts abc]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+from producer import submit  # noqa: E402
+from renderfarm.progress import Progress  # noqa: E402
+from tests.farm import WorkerProcess, farm_app, wait_for  # noqa: E402
+from tests.redis_server import RedisServer  # noqa: E402
+
+SUBMIT_TARGET = 2000  # jobs/s
+# (b) measures the control plane, not this machine's disk: where there is a RAM-backed
+# folder its output goes there (a worker's fsyncs cost about 1 ms each on this disk).
+SHM = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def bench_submit(n: int = 100_000) -> float:
+    """Jobs/s of `producer.submit` for an n-line .txt file, checked against the queue length."""
+    server = RedisServer(appendonly=False)
+    try:
+        with tempfile.TemporaryDirectory(prefix="rf-bench-") as tmp:
+            path = Path(tmp, "prompts.txt")
+            with path.open("w") as f:
+                for i in range(n):
+                    f.write(f"a lighthouse on a cliff at dusk, oil painting, variation {i}\n")
+            started = time.perf_counter()
+            submission = submit(prompts_file=path, model="bench/model", campaign="bench", seed=0,
+                                broker=server.url)
+            seconds = time.perf_counter() - started
+        (queue,) = submission.queues
+        queued = sum(server.client().llen(name) for name in server.client().scan_iter(f"{queue}*"))
+        if submission.enqueued != n or queued != n:
+            raise RuntimeError(f"enqueued {submission.enqueued}, queued {queued}, expected {n}")
+        return n / seconds
+    finally:
+        server.close()
+
+
+def farm_rate(model: Path, tmp: Path, n: int, steps: int, stand_in: float | None,
+              out: Path | None = None) -> float:
+    """Jobs/s of one worker from its first stored job to its last (compile excluded)."""
+    server = RedisServer(appendonly=False)
+    extra = ("--stand-in", str(stand_in)) if stand_in is not None else ()
+    worker = WorkerProcess(model, str((out or tmp) / f"farm-out-{time.monotonic_ns()}"), server.url, f"bench-{time.monotonic_ns()}", tmp,
+                           precompile=f"64x64@{steps}", extra=extra)
+    try:
+        worker.wait_ready(farm_app(server.url))
+        progress = Progress(server.client())
+        submit([f"a lighthouse, variation {i}" for i in range(n)], model=str(model), campaign="bench",
+               seed=0, steps=steps, broker=server.url, progress=False)
+        wait_for(lambda: progress.status("bench")["done"] >= 1, 300, "the first job")
+        start, first = time.perf_counter(), progress.status("bench")["done"]
+        wait_for(lambda: progress.status("bench")["done"] >= n, 600, f"{n} jobs")
+        return (n - first) / (time.perf_counter() - start)
+    finally:
+        worker.stop()
+        server.close()
+
+
+def local_rate(model: Path, tmp: Path, n: int, steps: int) -> float:
+    from renderfarm.jobs import JobSpec
+    from renderfarm.storage import open_storage
+    from worker.engine import Engine
+    from worker.local import render_to_storage
+    from worker.models import load_model
+
+    loaded = load_model(str(model))
+    specs = [JobSpec(prompt=f"a lighthouse, variation {i}", model=str(model), seed=i, steps=steps, campaign="bench")
+             for i in range(n)]
+    engine = Engine(loaded)
+    render_to_storage(specs[:engine.batch_size], engine, open_storage(str(tmp / "warm"), durable=False),
+                      progress=False)
+    out = open_storage(str(tmp / f"local-out-{time.monotonic_ns()}"), durable=False)
+    return render_to_storage(specs, engine, out, progress=False).images_per_second
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default="abc")
+    args = parser.parse_args()
+    if "a" in args.parts:
+        n = 100_000
+        rate = bench_submit(n)
+        print(f"(a) submit: {n} jobs in {n / rate:.1f} s = {rate:,.0f} jobs/s (target >= {SUBMIT_TARGET})")
+        print(f"    peak RSS of this process: {peak_rss_mib():.0f} MiB")
+    with tempfile.TemporaryDirectory(prefix="rf-bench-") as tmp:
+        from worker.tiny import build_tiny_model
+
+        model = build_tiny_model(Path(tmp) / "tiny-sd")
+        if "b" in args.parts:
+            n = 4000
+            (Path(tmp) / "b").mkdir()
+            rate = farm_rate(model, Path(tmp) / "b", n, steps=1, stand_in=0.0, out=SHM)
+            print(f"(b) control plane, 1 worker, stand-in renderer, batch 8: {rate:,.0f} jobs/s (target >= 500)")
+        if "c" in args.parts:
+            n, steps = 256, 4
+            (Path(tmp) / "c").mkdir()
+            # Local before and after the farm, so a drift of the machine shows and averages out.
+            before = local_rate(model, Path(tmp) / "c", n, steps)
+            farm = farm_rate(model, Path(tmp) / "c", n, steps, stand_in=None)
+            after = local_rate(model, Path(tmp) / "c", n, steps)
+            local = (before + after) / 2
+            print(f"(c) tiny SD 64x64 {steps} steps, {n} images: farm {farm:.1f} images/s, local render "
+                  f"{local:.1f} images/s ({before:.1f} before, {after:.1f} after), ratio {farm / local:.2f} "
+                  f"(target >= 0.9)")
+
+
+if __name__ == "__main__":
+    main()

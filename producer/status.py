@@ -1,0 +1,106 @@
+"""What operators ask of a campaign: how far it is, what failed and why, how fast it goes, and
+whether any queue holds jobs that no worker consumes (a model nobody serves), and cancelling it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from collections import Counter
+from typing import Any
+
+import redis
+from kombu.exceptions import ChannelError
+
+from renderfarm.jobs import check_campaign
+from renderfarm.progress import QUEUES, Progress
+from renderfarm.queue import make_app
+from renderfarm.settings import Settings
+
+INSPECT_SECONDS = 1.0  # how long workers get to say which queues they consume
+SHOWN_FAILURES = 10
+
+
+@dataclasses.dataclass(frozen=True)
+class QueueInfo:
+    name: str
+    jobs: int
+    consumers: int
+
+    @property
+    def warning(self) -> str | None:
+        """Jobs that no worker will ever take unless one is started for this queue."""
+        if self.jobs and not self.consumers:
+            return f"queue {self.name} has {self.jobs} jobs and no worker consumes it"
+        return None
+
+
+def farm_queues(broker: str | None = None) -> list[QueueInfo]:
+    """Every queue producers have used, its waiting jobs over all priority sub-queues (as
+    kombu counts them) and how many live workers consume it (they answer over the broker)."""
+    settings = Settings.from_env(broker_url=broker)
+    with redis.Redis.from_url(settings.broker_url) as client:
+        names = sorted(name.decode() for name in client.smembers(QUEUES))
+    if not names:
+        return []
+    with make_app(settings) as app, app.connection_for_read() as connection:
+        replies = app.control.inspect(timeout=INSPECT_SECONDS).active_queues() or {}
+        consumers = Counter(q["name"] for queues in replies.values() for q in queues)
+        channel = connection.default_channel
+        return [QueueInfo(name, _waiting(channel, name), consumers[name]) for name in names]
+
+
+def _waiting(channel: Any, queue: str) -> int:
+    try:
+        return channel.queue_declare(queue=queue, passive=True).message_count
+    except ChannelError:  # no message in any of its priority sub-queues
+        return 0
+
+
+def campaign_status(campaign: str, broker: str | None = None) -> dict[str, Any]:
+    """Progress counts, failures (job id -> reason), images/s, ETA, and the queues with their
+    consumers; `warnings` lists the queues with jobs and no worker."""
+    check_campaign(campaign)
+    with redis.Redis.from_url(Settings.from_env(broker_url=broker).broker_url) as client:
+        report = Progress(client).status(campaign)
+    queues = farm_queues(broker)
+    report["queues"] = [dataclasses.asdict(q) for q in queues]
+    report["warnings"] = [q.warning for q in queues if q.warning]
+    return report
+
+
+def cancel_campaign(campaign: str, broker: str | None = None) -> dict[str, Any]:
+    """Set the campaign's cancel flag: workers skip its queued jobs as they reach them (they
+    count as cancelled); running jobs finish. Returns the progress counts at that moment."""
+    check_campaign(campaign)
+    settings = Settings.from_env(broker_url=broker)
+    with redis.Redis.from_url(settings.broker_url) as client:
+        progress = Progress(client)
+        progress.cancel(campaign)
+        return progress.status(campaign)
+
+
+def _duration(seconds: float | None) -> str:
+    return "-" if seconds is None else str(datetime.timedelta(seconds=round(seconds)))
+
+
+def format_status(report: dict[str, Any]) -> str:
+    """The report for a terminal: counts, rate and ETA, a few failures, queues, warnings."""
+    rate = report["images_per_second"]
+    lines = [f"campaign {report['campaign']}"
+             + (" (cancel requested)" if report["cancel_requested"] else ""),
+             *(f"  {name:<10} {report[name]:>8}"
+               for name in ("submitted", "queued", "running", "done", "failed", "cancelled")),
+             f"  {'rate':<10} {'-' if rate is None else f'{rate:.2f} images/s':>8}",
+             f"  {'ETA':<10} {_duration(report['eta_seconds']):>8}"]
+    failures = list(report["failures"].items())
+    if failures:
+        lines.append(f"failures ({len(failures)}):")
+        lines += [f"  {job_id}: {reason}" for job_id, reason in failures[:SHOWN_FAILURES]]
+        if len(failures) > SHOWN_FAILURES:
+            lines.append(f"  ... and {len(failures) - SHOWN_FAILURES} more (--json lists all)")
+    if report["queues"]:
+        lines.append("queues:")
+        lines += [f"  {q['name']}: {q['jobs']} jobs, {q['consumers']} consumers" for q in report["queues"]]
+    lines += [f"warning: {w}" for w in report["warnings"]]
+    return "\n".join(lines)

@@ -1,0 +1,134 @@
+"""Campaign progress in Redis: what was submitted, what runs, what is done, failed or
+cancelled. Sets of job ids, so a redelivered job is never counted twice.
+
+Keys (CAMPAIGN is validated by the job contract, so it cannot reach outside its prefix):
+  rf:c:CAMPAIGN:submitted   set of job ids
+  rf:c:CAMPAIGN:running     set of job ids a worker has started
+  rf:c:CAMPAIGN:done        set of job ids stored
+  rf:c:CAMPAIGN:failed      hash job id -> reason (failed for good)
+  rf:c:CAMPAIGN:cancelled   set of job ids skipped because the campaign was cancelled
+  rf:c:CAMPAIGN:cancel      flag: queued jobs of the campaign are skipped
+  rf:c:CAMPAIGN:times       hash: first_done, last_done (unix seconds)
+  rf:attempts               hash job id -> attempts started
+  rf:queues                 set of queue names producers have used
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import redis
+
+ATTEMPTS = "rf:attempts"
+QUEUES = "rf:queues"
+
+
+def key(campaign: str, what: str) -> str:
+    return f"rf:c:{campaign}:{what}"
+
+
+class Progress:
+    """Reads and writes campaign progress; every write is one pipelined round trip."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.r = client
+
+    @classmethod
+    def from_url(cls, url: str) -> Progress:
+        return cls(redis.Redis.from_url(url))
+
+    # -- producer side -------------------------------------------------------------
+
+    def submitted(self, campaign: str, job_ids: list[str], queue: str | None = None) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        pipe.sadd(key(campaign, "submitted"), *job_ids)
+        if queue is not None:
+            pipe.sadd(QUEUES, queue)
+        pipe.execute()
+
+    def done_among(self, campaign: str, job_ids: list[str]) -> list[bool]:
+        """Which of these jobs are already stored (a re-submission skips them)."""
+        if not job_ids:
+            return []
+        return [bool(x) for x in self.r.smismember(key(campaign, "done"), job_ids)]
+
+    def cancel(self, campaign: str) -> None:
+        self.r.set(key(campaign, "cancel"), 1)
+
+    def resume(self, campaign: str) -> None:
+        """Lift a cancel: a new run of the campaign renders what is still missing."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.delete(key(campaign, "cancel"), key(campaign, "cancelled"))
+        pipe.execute()
+
+    # -- worker side ---------------------------------------------------------------
+
+    def is_cancelled(self, campaign: str) -> bool:
+        return bool(self.r.exists(key(campaign, "cancel")))
+
+    def started(self, jobs: Iterable[tuple[str, str]]) -> list[int]:
+        """Mark (campaign, job id) pairs running; returns each job's attempt number."""
+        jobs = list(jobs)
+        pipe = self.r.pipeline(transaction=False)
+        for campaign, job_id in jobs:
+            pipe.sadd(key(campaign, "running"), job_id)
+            pipe.hincrby(ATTEMPTS, job_id, 1)
+        return pipe.execute()[1::2]
+
+    def finished(self, jobs: Iterable[tuple[str, str]]) -> None:
+        """Mark (campaign, job id) pairs done, in one round trip."""
+        now = time.time()
+        pipe = self.r.pipeline(transaction=False)
+        for campaign, job_id in jobs:
+            pipe.srem(key(campaign, "running"), job_id)
+            pipe.sadd(key(campaign, "done"), job_id)
+            pipe.hsetnx(key(campaign, "times"), "first_done", now)
+            pipe.hset(key(campaign, "times"), "last_done", now)
+            pipe.hdel(key(campaign, "failed"), job_id)
+        pipe.execute()
+
+    def failed(self, campaign: str, job_id: str, reason: str) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        pipe.srem(key(campaign, "running"), job_id)
+        pipe.hset(key(campaign, "failed"), job_id, reason)
+        pipe.execute()
+
+    def released(self, campaign: str, job_id: str) -> None:
+        """The job goes back to the queue (it will be tried again)."""
+        self.r.srem(key(campaign, "running"), job_id)
+
+    def skipped(self, campaign: str, job_id: str) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        pipe.srem(key(campaign, "running"), job_id)
+        pipe.sadd(key(campaign, "cancelled"), job_id)
+        pipe.execute()
+
+    # -- status --------------------------------------------------------------------
+
+    def status(self, campaign: str) -> dict[str, Any]:
+        pipe = self.r.pipeline(transaction=False)
+        for what in ("submitted", "running", "done", "cancelled"):
+            pipe.scard(key(campaign, what))
+        pipe.hgetall(key(campaign, "failed"))
+        pipe.hgetall(key(campaign, "times"))
+        pipe.exists(key(campaign, "cancel"))
+        submitted, running, done, cancelled, failed, times, cancel = pipe.execute()
+        failed = {k.decode(): v.decode() for k, v in failed.items()}
+        queued = max(0, submitted - running - done - cancelled - len(failed))
+        first, last = (float(times.get(k, 0)) for k in (b"first_done", b"last_done"))
+        rate = (done - 1) / (last - first) if done > 1 and last > first else None
+        return {
+            "campaign": campaign,
+            "submitted": submitted,
+            "queued": queued,
+            "running": running,
+            "done": done,
+            "failed": len(failed),
+            "failures": failed,
+            "cancelled": cancelled,
+            "cancel_requested": bool(cancel),
+            "images_per_second": rate,
+            "eta_seconds": (queued + running) / rate if rate else None,
+        }

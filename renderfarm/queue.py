@@ -1,0 +1,72 @@
+"""The Celery app both sides share (importable without JAX), queue naming and routing.
+
+One message is one job: task `renderfarm.render` with the job spec as keyword arguments,
+so Flower shows each job's campaign, prompt and seed. JSON only, events on, late acks.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from renderfarm.jobs import JobSpec
+from renderfarm.settings import Settings
+
+TASK_NAME = "renderfarm.render"
+QUEUE_PREFIX = "rf."
+PRIORITY_STEPS = list(range(10))
+
+
+def queue_name(model: str, dtype: str) -> str:
+    """Jobs for a model go to that model's queue; a worker consumes the queue of what it holds."""
+    return f"{QUEUE_PREFIX}{dtype}.{model}"
+
+
+def redis_priority(priority: int | None) -> int:
+    """Job priority 9 is the most urgent; kombu's Redis transport serves 0 first."""
+    return 9 - (5 if priority is None else priority)
+
+
+def make_app(settings: Settings | None = None) -> Celery:
+    settings = settings or Settings.from_env()
+    transport = {
+        "visibility_timeout": settings.visibility_timeout,
+        "unacked_restore_interval": settings.restore_interval,
+        "unacked_restore_throttle": 1,
+        "queue_order_strategy": "priority",
+        "priority_steps": PRIORITY_STEPS,
+    }
+    app = Celery("renderfarm", broker=settings.broker_url, backend=settings.broker_url)
+    app.conf.update(
+        task_serializer="json",
+        result_serializer="json",
+        event_serializer="json",
+        accept_content=["json"],
+        result_accept_content=["json"],
+        worker_send_task_events=True,
+        task_send_sent_event=True,
+        task_track_started=True,
+        task_ignore_result=True,  # a job's result is its stored sidecar; failures are recorded
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        broker_transport_options=transport,
+        # The result backend and the app read their own copies of the timeout.
+        result_backend_transport_options={"visibility_timeout": settings.visibility_timeout},
+        visibility_timeout=settings.visibility_timeout,
+        broker_connection_retry_on_startup=True,
+        broker_connection_max_retries=None,
+        worker_hijack_root_logger=False,
+        result_expires=7 * 24 * 3600,
+    )
+    # Celery cuts argument reprs at 1 KiB; a job's spec must stay whole in Flower.
+    app.amqp.argsrepr_maxsize = app.amqp.kwargsrepr_maxsize = 16384
+    return app
+
+
+def job_message(spec: JobSpec) -> dict[str, object]:
+    """The task options of one job: its id is the job id, its queue its model's."""
+    return {
+        "task_id": spec.job_id,
+        "queue": queue_name(spec.model, spec.dtype),
+        "priority": redis_priority(spec.priority),
+        "kwargs": spec.to_dict(),
+    }

@@ -1,0 +1,30 @@
+"""Everything a farm process reads from its environment, in one place, with its default."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    broker_url: str = "redis://localhost:6379/0"
+    # Seconds before a job held by a worker that died is delivered again. The clock starts
+    # when the message is prefetched, so it must exceed the longest batch plus the wait of
+    # a prefetched batch behind it; too long and a dead worker's jobs wait that long.
+    visibility_timeout: int = 3600
+    # How often (seconds) a worker scans for such jobs (kombu scans every interval x throttle).
+    restore_interval: int = 10
+    max_attempts: int = 3  # a job that fails this many times is failed for good
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> Settings:
+        env = os.environ
+        values = {
+            "broker_url": env.get("RENDERFARM_BROKER_URL", cls.broker_url),
+            "visibility_timeout": int(env.get("RENDERFARM_VISIBILITY_TIMEOUT", cls.visibility_timeout)),
+            "restore_interval": int(env.get("RENDERFARM_RESTORE_INTERVAL", cls.restore_interval)),
+            "max_attempts": int(env.get("RENDERFARM_MAX_ATTEMPTS", cls.max_attempts)),
+        }
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)  # type: ignore[arg-type]

@@ -1,0 +1,93 @@
+"""Real farm processes for tests: `renderfarm worker` subprocesses against a real Redis."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from celery import Celery
+from kombu import Connection
+
+from renderfarm.jobs import JobSpec
+from renderfarm.progress import Progress
+from renderfarm.queue import TASK_NAME, job_message, make_app, queue_name
+from renderfarm.settings import Settings
+from renderfarm.storage import Storage
+
+
+class WorkerProcess:
+    """`renderfarm worker` in its own process, as an operator starts it."""
+
+    def __init__(self, model: Path, out: str, broker: str, name: str, log_dir: Path,
+                 env: dict[str, str] | None = None, precompile: str = "64x64@3",
+                 extra: tuple[str, ...] = ()) -> None:
+        self.name = f"{name}@test"
+        self.log = log_dir / f"{name}.log"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "renderfarm.cli", "worker", "--model", str(model), "--out", out,
+             "--broker", broker, "--node-name", self.name, "--max-wait", "0.5",
+             "--precompile", precompile, *extra],
+            stdout=self.log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+
+    def wait_ready(self, app: Celery, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"worker exited: {self.log.read_text()[-3000:]}"
+            if app.control.ping(destination=[self.name], timeout=0.5):
+                return
+        raise AssertionError(f"worker not ready: {self.log.read_text()[-3000:]}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def farm_app(broker: str) -> Celery:
+    return make_app(Settings(broker_url=broker))
+
+
+def enqueue(app: Celery, progress: Progress, specs: Iterable[JobSpec]) -> list[JobSpec]:
+    specs = list(specs)
+    for spec in specs:
+        app.send_task(TASK_NAME, **job_message(spec))
+    for campaign in {s.campaign for s in specs}:
+        progress.submitted(campaign, [s.job_id for s in specs if s.campaign == campaign])
+    return specs
+
+
+def publish_raw(broker: str, model: str, body: bytes | str, headers: dict[str, object],
+                content_type: str = "application/json") -> None:
+    """Put an arbitrary message on a model's queue, as a broken or hostile producer would."""
+    queue = queue_name(model, "float32")
+    with Connection(broker) as conn:
+        conn.Producer().publish(body, routing_key=queue, exchange=queue, declare=[conn.SimpleQueue(queue).queue],
+                                headers=headers, content_type=content_type, content_encoding="utf-8")
+
+
+def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def manifest_ids(storage: Storage, campaign: str) -> list[str]:
+    text = storage.get(f"{campaign}/manifest.jsonl").decode()
+    return [json.loads(line)["job_id"] for line in text.splitlines() if line]

@@ -1,0 +1,218 @@
+"""The distributed farm with real parts: redis-server, `renderfarm worker` processes with a
+tiny model on 8 CPU devices, the google-cloud-storage client against the emulator."""
+
+from __future__ import annotations
+
+import ast
+import io
+import json
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from celery.result import AsyncResult
+from PIL import Image
+
+from renderfarm.jobs import JobSpec
+from renderfarm.progress import Progress
+from renderfarm.queue import TASK_NAME, queue_name
+from renderfarm.storage import Storage, open_storage
+from tests.conftest import STEPS
+from tests.farm import WorkerProcess, enqueue, farm_app, manifest_ids, publish_raw, wait_for
+from tests.flower_process import poll, run_flower
+from tests.gcs_emulator import GcsEmulator
+from tests.redis_server import RedisServer
+
+OUT = "gs://farm/out"
+WORKER_ENV = {"RENDERFARM_VISIBILITY_TIMEOUT": "10", "RENDERFARM_RESTORE_INTERVAL": "1",
+              "RENDERFARM_MAX_ATTEMPTS": "2"}
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer(appendonly=True)
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def farm(redis_server: RedisServer, gcs_server: GcsEmulator, tiny_sd: Path,
+         tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    gcs_server.create_bucket("farm")
+    env = {**WORKER_ENV, "STORAGE_EMULATOR_HOST": gcs_server.url}
+    logs = tmp_path_factory.mktemp("worker-logs")
+    app = farm_app(redis_server.url)
+    workers = [WorkerProcess(tiny_sd, OUT, redis_server.url, f"w{i}", logs, env) for i in range(2)]
+    for worker in workers:
+        worker.wait_ready(app)
+    yield {"app": app, "progress": Progress(redis_server.client()), "workers": workers, "env": env,
+           "logs": logs}
+    for worker in workers:
+        worker.stop()
+
+
+@pytest.fixture()
+def bucket(farm: dict, gcs: GcsEmulator) -> Storage:
+    return open_storage(OUT)
+
+
+def jobs(model: Path, campaign: str, n: int, seed: int = 0) -> list[JobSpec]:
+    return [JobSpec(prompt=f"{campaign} lighthouse {i}", model=str(model), seed=seed + i, steps=STEPS,
+                    campaign=campaign, negative_prompt="blurry" if i % 3 == 0 else "",
+                    guidance_scale=2.0 + i % 4) for i in range(n)]
+
+
+def wait_done(progress: Progress, campaign: str, n: int, timeout: float = 180) -> dict:
+    wait_for(lambda: progress.status(campaign)["done"] + progress.status(campaign)["failed"] >= n,
+             timeout, f"{n} jobs of {campaign}")
+    return progress.status(campaign)
+
+
+def assert_landed_once(storage: Storage, specs: list[JobSpec]) -> None:
+    campaign = specs[0].campaign
+    names = set(storage.list(f"{campaign}/"))
+    expected = {f"{campaign}/{s.job_id}.{ext}" for s in specs for ext in ("png", "json")}
+    assert expected <= names and len(names - expected) == 1  # + manifest.jsonl
+    ids = manifest_ids(storage, campaign)
+    assert set(ids) == {s.job_id for s in specs}
+
+
+def test_48_jobs_over_2_workers_match_local_render(farm: dict, bucket: Storage, tiny_sd: Path,
+                                                   sd_engine) -> None:  # noqa: ANN001
+    specs = enqueue(farm["app"], farm["progress"], jobs(tiny_sd, "c48", 48))
+    status = wait_done(farm["progress"], "c48", 48)
+    assert (status["done"], status["failed"], status["queued"], status["running"]) == (48, 0, 0, 0)
+    assert_landed_once(bucket, specs)
+    assert len(manifest_ids(bucket, "c48")) == 48
+    local = sd_engine.render(specs)
+    pids = set()
+    for spec, expected in zip(specs, local):
+        png = Image.open(io.BytesIO(bucket.get(f"c48/{spec.job_id}.png")))
+        diff = np.abs(np.asarray(png, np.int16) - expected.image.astype(np.int16)).max()
+        assert diff <= 2, f"job {spec.job_id} differs from the local render by {diff}/255"
+        pids.add(json.loads(bucket.get(f"c48/{spec.job_id}.json"))["worker"]["pid"])
+    assert len(pids) == 2, "both workers should have rendered"
+
+
+def test_flower_sees_workers_and_every_job(farm: dict, tiny_sd: Path, redis_server: RedisServer) -> None:
+    with run_flower(redis_server.url, auth="ops:s3cret") as flower:
+        flower.wait_for_workers([w.name for w in farm["workers"]])
+        specs = enqueue(farm["app"], farm["progress"], jobs(tiny_sd, "flowered", 16, seed=1000))
+        wait_done(farm["progress"], "flowered", 16)
+
+        def all_succeeded() -> dict | None:
+            tasks = flower.tasks(f"taskname={TASK_NAME}")
+            return tasks if all(tasks.get(s.job_id, {}).get("state") == "SUCCESS" for s in specs) else None
+
+        tasks = poll(all_succeeded, "every job SUCCESS in Flower", timeout=30)
+        for spec in specs:
+            shown = ast.literal_eval(tasks[spec.job_id]["kwargs"])
+            assert (shown["campaign"], shown["prompt"], shown["seed"]) == (spec.campaign, spec.prompt, spec.seed)
+        assert flower.get("/api/tasks", credentials=False).status == 401
+
+
+def test_resubmitting_a_finished_campaign_renders_nothing(farm: dict, bucket: Storage, tiny_sd: Path) -> None:
+    specs = jobs(tiny_sd, "c48", 48)
+    before = {s.job_id: bucket.get(f"c48/{s.job_id}.json") for s in specs}
+    enqueue(farm["app"], farm["progress"], specs)
+    redis = farm["progress"].r
+    wait_for(lambda: redis.llen(queue_name(str(tiny_sd), "float32")) == 0
+             and farm["progress"].status("c48")["running"] == 0, 60, "the queue to drain")
+    wait_for(lambda: all(int(redis.hget("rf:attempts", s.job_id)) >= 2 for s in specs), 60, "redelivery")
+    assert {s.job_id: bucket.get(f"c48/{s.job_id}.json") for s in specs} == before  # not rendered again
+    assert len(manifest_ids(bucket, "c48")) == 48
+
+
+def test_poison_job_in_a_batch(farm: dict, bucket: Storage, tiny_sd: Path) -> None:
+    good = enqueue(farm["app"], farm["progress"], jobs(tiny_sd, "poison", 7))
+    poison = {**jobs(tiny_sd, "poison", 8, seed=100)[7].to_dict(), "steps": 0}
+    farm["app"].send_task(TASK_NAME, task_id="poison-job", kwargs=poison,
+                          queue=queue_name(str(tiny_sd), "float32"))
+    wait_done(farm["progress"], "poison", 7)
+    assert_landed_once(bucket, good)
+    result = AsyncResult("poison-job", app=farm["app"])
+    wait_for(lambda: result.state == "FAILURE", 30, "the poison job to fail")
+    assert "steps=0: must be in 1..500" in str(result.result)
+
+
+def test_hostile_messages_fail_with_reasons_and_good_jobs_land(farm: dict, bucket: Storage,
+                                                              tiny_sd: Path) -> None:
+    model, app = str(tiny_sd), farm["app"]
+    queue = queue_name(model, "float32")
+    base = jobs(tiny_sd, "hostile", 1, seed=500)[0].to_dict()
+    publish_raw(farm["app"].conf.broker_url, model, b'{"not json',
+                headers={"task": TASK_NAME, "id": "malformed-json", "lang": "py"})
+    bad = {
+        "wrong-type": ({**base, "seed": "seven"}, "seed='seven': must be an integer"),
+        "unknown-field": ({**base, "colour": "red"}, "colour='red': unknown field"),
+        "path-campaign": ({**base, "campaign": "../etc"}, "campaign='../etc': must match"),
+        "huge-prompt": ({**base, "prompt": "x" * 1_000_000}, "must be at most 10000 characters"),
+    }
+    for task_id, (kwargs, _) in bad.items():
+        app.send_task(TASK_NAME, task_id=task_id, kwargs=kwargs, queue=queue)
+    app.send_task(TASK_NAME, task_id="positional", args=["a fox"], queue=queue)
+    good = enqueue(app, farm["progress"], jobs(tiny_sd, "hostile", 6, seed=600))
+    wait_done(farm["progress"], "hostile", 6)
+    assert_landed_once(bucket, good)
+    for task_id, (_, reason) in bad.items():
+        result = AsyncResult(task_id, app=app)
+        wait_for(lambda r=result: r.state == "FAILURE", 30, f"{task_id} to fail")
+        assert reason in str(result.result), (task_id, result.result)
+    assert all(w.proc.poll() is None for w in farm["workers"])
+
+
+def test_storage_outage_is_retried(farm: dict, bucket: Storage, tiny_sd: Path, gcs: GcsEmulator) -> None:
+    gcs.stop()
+    try:
+        specs = enqueue(farm["app"], farm["progress"], jobs(tiny_sd, "outage", 8, seed=900))
+        wait_for(lambda: farm["progress"].status("outage")["running"] > 0, 60, "a worker to start")
+        time.sleep(4)
+        assert farm["progress"].status("outage")["done"] == 0
+    finally:
+        gcs.start()
+    status = wait_done(farm["progress"], "outage", 8)
+    assert (status["done"], status["failed"]) == (8, 0)
+    assert_landed_once(bucket, specs)
+
+
+def test_worker_killed_mid_batch(farm: dict, bucket: Storage, tiny_sd: Path, redis_server: RedisServer,
+                                 tmp_path: Path) -> None:
+    model = tmp_path / "tiny-sd-copy"  # its own queue: only the victim, then the rescuer, serve it
+    shutil.copytree(tiny_sd, model)
+    victim = WorkerProcess(model, OUT, redis_server.url, "victim", farm["logs"], farm["env"])
+    victim.wait_ready(farm["app"])
+    specs = enqueue(farm["app"], farm["progress"], jobs(model, "killed", 24, seed=300))
+    wait_for(lambda: farm["progress"].status("killed")["running"] > 0, 60, "the victim to start a batch")
+    victim.kill()
+    assert farm["progress"].status("killed")["done"] < 24
+    rescuer = WorkerProcess(model, OUT, redis_server.url, "rescuer", farm["logs"], farm["env"])
+    try:
+        status = wait_done(farm["progress"], "killed", 24)
+    finally:
+        rescuer.stop()
+    assert (status["done"], status["failed"]) == (24, 0)
+    assert_landed_once(bucket, specs)
+
+
+def test_redis_restart_mid_campaign(farm: dict, bucket: Storage, tiny_sd: Path, redis_server: RedisServer) -> None:
+    specs = enqueue(farm["app"], farm["progress"], jobs(tiny_sd, "restart", 32, seed=700))
+    wait_for(lambda: farm["progress"].status("restart")["done"] >= 4, 120, "the first jobs")
+    redis_server.stop()
+    time.sleep(2)
+    redis_server.start()
+    status = wait_done(farm["progress"], "restart", 32, timeout=240)
+    assert (status["done"], status["failed"]) == (32, 0)
+    assert_landed_once(bucket, specs)
+
+
+def test_submitting_a_finished_campaign_again_enqueues_nothing(farm: dict, tiny_sd: Path, tmp_path: Path,
+                                                                redis_server: RedisServer) -> None:
+    from producer import submit
+
+    lines = tmp_path / "c48.jsonl"
+    lines.write_text("".join(json.dumps(s.to_dict()) + "\n" for s in jobs(tiny_sd, "c48", 48)))
+    again = submit(prompts_file=lines, model=str(tiny_sd), campaign="c48", broker=redis_server.url)
+    assert (again.enqueued, again.already_done) == (0, 48)

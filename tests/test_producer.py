@@ -1,0 +1,311 @@
+"""The producer against a real redis-server: submit (CLI and Python API), validation before
+enqueue, skipping done jobs, status, cancel, --wait, and a real Celery worker consuming what
+submit wrote."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kombu.message import Message
+
+import renderfarm.cli as rf_cli
+from producer import WaitTimeout, campaign_status, submit, wait_for
+from producer.commands import register
+from renderfarm.jobs import JobError, JobSpec
+from renderfarm.progress import Progress
+from renderfarm.queue import make_app, queue_name, redis_priority
+from renderfarm.settings import Settings
+from tests.celery_echo_app import ECHO_KEY
+from tests.redis_server import RedisServer
+
+REPO = Path(__file__).resolve().parents[1]
+Cli = Callable[..., tuple[int, str, str]]
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer(appendonly=False)
+    yield server
+    server.close()
+
+
+@pytest.fixture()
+def broker(redis_server: RedisServer) -> str:
+    redis_server.client().flushall()
+    return redis_server.url
+
+
+@pytest.fixture()
+def progress(redis_server: RedisServer) -> Progress:
+    return Progress(redis_server.client())
+
+
+@pytest.fixture()
+def cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Cli:
+    """`renderfarm ARGS` through cli.main, with these commands registered as cli.py does
+    once it is wired (then this registers nothing)."""
+    original = rf_cli.parser
+
+    def parser() -> argparse.ArgumentParser:
+        top = original()
+        sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
+        if "submit" not in sub.choices:
+            register(sub)
+        return top
+
+    monkeypatch.setattr(rf_cli, "parser", parser)
+
+    def run(*argv: object) -> tuple[int, str, str]:
+        code = rf_cli.main([str(a) for a in argv])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+def drain(broker: str, queue: str) -> list[Message]:
+    """Every message of the queue, as kombu's Redis transport delivers them (priority first)."""
+    with make_app(Settings(broker_url=broker)) as app, app.connection_for_read() as connection:
+        channel = connection.default_channel
+        messages = []
+        while (message := channel.basic_get(queue, no_ack=True)) is not None:
+            messages.append(message)
+        return messages
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_submit_txt_enqueues_one_celery_message_per_prompt(cli: Cli, broker: str, tmp_path: Path,
+                                                           progress: Progress) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red fox\n\nun château, la nuit\r\na \"quoted\" \\ prompt\n")
+    code, out, _ = cli("submit", "a lighthouse", "--prompts", prompts, "--model", "org/model",
+                       "--campaign", "c1", "--seed", 10, "--steps", 4, "--priority", 7, "--broker", broker)
+    assert code == 0
+    assert "enqueued 4 jobs for campaign c1 on queue rf.float32.org/model" in out
+
+    texts = ["a lighthouse", "a red fox", "un château, la nuit", 'a "quoted" \\ prompt']
+    expected = [JobSpec(prompt=p, model="org/model", seed=10 + i, steps=4, campaign="c1", priority=7)
+                for i, p in enumerate(texts)]
+    messages = drain(broker, "rf.float32.org/model")
+    assert [m.headers["id"] for m in messages] == [s.job_id for s in expected]
+    for message, spec in zip(messages, expected):
+        args, kwargs, _embed = message.decode()
+        assert (args, kwargs) == ([], spec.to_dict())
+        assert message.content_type == "application/json"
+        assert message.headers["task"] == "renderfarm.render"
+        assert message.headers["kwargsrepr"] == repr(spec.to_dict())
+        assert message.properties["correlation_id"] == spec.job_id
+        assert message.properties["priority"] == redis_priority(7)
+    assert progress.status("c1")["submitted"] == 4
+    assert progress.r.smembers("rf:queues") == {b"rf.float32.org/model"}
+
+
+def test_submit_jsonl_routes_each_job_to_its_model_queue_and_priority(broker: str, tmp_path: Path) -> None:
+    rows = [{"prompt": "urgent", "priority": 9}, {"prompt": "other model", "model": "x/y", "dtype": "bfloat16"},
+            {"prompt": "background", "seed": 7, "priority": 0}, {"prompt": "default"}]
+    submission = submit(prompts_file=write_jsonl(tmp_path / "jobs.jsonl", rows), model="m", campaign="c2",
+                        seed=0, priority=3, broker=broker)
+    assert (submission.enqueued, submission.queues) == (4, ("rf.float32.m", "rf.bfloat16.x/y"))
+
+    main = drain(broker, "rf.float32.m")
+    assert [m.decode()[1]["prompt"] for m in main] == ["urgent", "default", "background"]
+    assert [m.decode()[1]["seed"] for m in main] == [0, 3, 7]
+    assert [m.properties["priority"] for m in main] == [redis_priority(p) for p in (9, 3, 0)]
+    (other,) = drain(broker, "rf.bfloat16.x/y")
+    assert other.decode()[1] == JobSpec(prompt="other model", model="x/y", seed=1, dtype="bfloat16",
+                                        campaign="c2", priority=3).to_dict()
+
+
+BAD_LINES = {
+    "malformed JSON": ('{"prompt": "a cat",', "line",
+                       "must be a JSON object (Expecting property name enclosed in double quotes)"),
+    "bad field": ('{"prompt": "a cat", "steps": 0}', "steps", "must be in 1..500"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_LINES))
+def test_a_bad_line_enqueues_nothing_and_names_line_field_value_rule(
+        case: str, cli: Cli, broker: str, tmp_path: Path, redis_server: RedisServer) -> None:
+    line, field, rule = BAD_LINES[case]
+    path = tmp_path / "jobs.jsonl"
+    good = "".join(json.dumps({"prompt": f"good {i}"}) + "\n" for i in range(2500))  # > 2 chunks
+    path.write_text(good + line + "\n" + json.dumps({"prompt": "after"}) + "\n")
+
+    with pytest.raises(JobError) as caught:
+        submit(prompts_file=path, model="m", campaign="bad", broker=broker)
+    assert (caught.value.line, caught.value.field, caught.value.rule) == (2501, field, rule)
+    code, _, err = cli("submit", "--prompts", path, "--model", "m", "--campaign", "bad", "--broker", broker)
+    assert code == 2
+    value = repr(0) if field == "steps" else "'{\"prompt\": \"a cat\",'"
+    assert f"line 2501: {field}={value}: {rule}" in err
+    assert redis_server.client().dbsize() == 0  # not a message, not a binding, not a counter
+
+
+def test_submit_without_jobs_is_an_error(broker: str) -> None:
+    with pytest.raises(JobError, match="give at least one PROMPT"):
+        submit([], model="m", broker=broker)
+
+
+def test_resubmitting_skips_jobs_already_done(cli: Cli, broker: str, progress: Progress) -> None:
+    first = submit([f"prompt {i}" for i in range(5)], model="m", campaign="again", seed=0, broker=broker)
+    specs = [JobSpec(prompt=f"prompt {i}", model="m", seed=i, campaign="again") for i in range(5)]
+    progress.finished([("again", specs[0].job_id)])
+    progress.finished([("again", specs[3].job_id)])
+    progress.failed("again", specs[1].job_id, "device lost")
+
+    code, out, _ = cli("submit", *(f"prompt {i}" for i in range(5)), "--model", "m", "--campaign", "again",
+                       "--seed", 0, "--broker", broker)
+    assert code == 0
+    assert "enqueued 3 jobs" in out and "skipped 2 jobs already done" in out
+    ids = [m.headers["id"] for m in drain(broker, queue_name("m", "float32"))]
+    assert ids == [s.job_id for s in specs] + [specs[i].job_id for i in (1, 2, 4)]
+    status = progress.status("again")
+    assert (first.enqueued, status["submitted"], status["done"], status["failed"]) == (5, 5, 2, 0)
+
+
+def test_a_job_given_twice_is_sent_once(broker: str, tmp_path: Path) -> None:
+    rows = [{"prompt": "same", "seed": 1}, {"prompt": "other", "seed": 1}, {"prompt": "same", "seed": 1}]
+    submission = submit(prompts_file=write_jsonl(tmp_path / "dup.jsonl", rows), model="m", broker=broker)
+    assert (submission.enqueued, submission.duplicates) == (2, 1)
+    assert len(drain(broker, "rf.float32.m")) == 2
+
+
+def test_status_reports_counts_failures_and_queues_nobody_consumes(cli: Cli, broker: str,
+                                                                   progress: Progress) -> None:
+    submit(["a", "b", "c"], model="some/model", campaign="st", seed=0, broker=broker)
+    specs = [JobSpec(prompt=p, model="some/model", seed=i, campaign="st") for i, p in enumerate("abc")]
+    progress.finished([("st", specs[0].job_id)])
+    progress.failed("st", specs[1].job_id, "out of memory")
+
+    code, out, _ = cli("status", "st", "--json", "--broker", broker)
+    assert code == 0
+    report = json.loads(out)
+    assert {k: report[k] for k in ("submitted", "queued", "running", "done", "failed", "cancelled")} == \
+        {"submitted": 3, "queued": 1, "running": 0, "done": 1, "failed": 1, "cancelled": 0}
+    assert report["failures"] == {specs[1].job_id: "out of memory"}
+    assert report["queues"] == [{"name": "rf.float32.some/model", "jobs": 3, "consumers": 0}]
+    warning = "queue rf.float32.some/model has 3 jobs and no worker consumes it"
+    assert report["warnings"] == [warning]
+
+    code, out, _ = cli("status", "st", "--broker", broker)
+    assert code == 0
+    assert f"warning: {warning}" in out and f"{specs[1].job_id}: out of memory" in out
+
+
+def test_cancel_sets_the_flag_and_skipped_jobs_show_cancelled(cli: Cli, broker: str, progress: Progress) -> None:
+    submit(["a", "b"], model="m", campaign="cx", seed=0, broker=broker)
+    code, out, _ = cli("cancel", "cx", "--broker", broker)
+    assert code == 0
+    assert "campaign cx cancelled: workers skip its 2 queued jobs" in out
+    assert progress.is_cancelled("cx")
+    for i, prompt in enumerate("ab"):  # what the worker does with each queued job
+        progress.skipped("cx", JobSpec(prompt=prompt, model="m", seed=i, campaign="cx").job_id)
+    status = progress.status("cx")
+    assert (status["queued"], status["cancelled"], status["cancel_requested"]) == (0, 2, True)
+
+    again = submit(["c"], model="m", campaign="cx", broker=broker)
+    assert again.resumed == ("cx",) and not progress.is_cancelled("cx")
+    assert "lifted the cancel" in again.summary()
+
+
+def test_wait_times_out_when_nothing_consumes(cli: Cli, broker: str) -> None:
+    started = time.monotonic()
+    code, out, err = cli("submit", "a cat", "--model", "nobody/serves", "--campaign", "w", "--wait",
+                         "--timeout", 1, "--broker", broker)
+    assert code == 1
+    assert "enqueued 1 jobs" in out
+    assert "timed out after 1 s: 0 of 1 jobs finished" in err
+    assert "warning: queue rf.float32.nobody/serves has 1 jobs and no worker consumes it" in err
+    assert time.monotonic() - started < 10
+
+
+def test_wait_follows_exactly_the_jobs_of_its_submission(broker: str, progress: Progress) -> None:
+    submit(["older"], model="m", campaign="wf", seed=100, broker=broker)  # never finishes
+    submission = submit(["a", "b", "c"], model="m", campaign="wf", seed=0, broker=broker)
+    ids = [JobSpec(prompt=p, model="m", seed=i, campaign="wf").job_id for i, p in enumerate("abc")]
+
+    def worker() -> None:
+        time.sleep(0.2)
+        progress.finished([("wf", ids[0])])
+        progress.failed("wf", ids[1], "bad luck")
+        progress.skipped("wf", ids[2])
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    assert wait_for(submission, timeout=10, progress=False, poll=0.05) == \
+        {"done": 1, "failed": 1, "cancelled": 1}
+    thread.join()
+    with pytest.raises(WaitTimeout, match="0 of 1 jobs finished"):
+        submit(["more"], model="m", campaign="wf", broker=broker, wait=True, timeout=0.1, progress=False)
+
+
+def test_a_real_celery_worker_consumes_submitted_jobs_intact_and_by_priority(
+        broker: str, tmp_path: Path, redis_server: RedisServer) -> None:
+    rows = [{"prompt": "low", "priority": 0}, {"prompt": "top", "priority": 9},
+            {"prompt": "mid", "priority": 5, "negative_prompt": "blurry", "width": 640, "guidance_scale": 3.25},
+            {"prompt": "default, é 日本 \\ \"q\""}, {"prompt": "top again", "priority": 9, "seed": 4_000_000_000},
+            {"prompt": "two", "priority": 2, "scheduler": "ddim", "steps": 3}]
+    submission = submit(prompts_file=write_jsonl(tmp_path / "echo.jsonl", rows), model="echo/model",
+                        campaign="echo", seed=0, broker=broker)
+    (queue,) = submission.queues
+    specs = [JobSpec(**{"model": "echo/model", "campaign": "echo", "seed": i, **row}) for i, row in enumerate(rows)]
+    urgency = [9 - redis_priority(s.priority) for s in specs]
+    expected = [specs[i] for i in sorted(range(len(specs)), key=lambda i: -urgency[i])]  # stable
+
+    log = (tmp_path / "worker.log").open("w")
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "tests.celery_echo_app", "worker", "--pool", "solo",
+         "-Q", queue, "--prefetch-multiplier", "1", "--without-gossip", "--without-mingle",
+         "--loglevel", "warning", "--hostname", f"echo-{redis_server.port}@%h"],
+        cwd=REPO, env={**os.environ, "RENDERFARM_BROKER_URL": broker, "PYTHONPATH": str(REPO)},
+        stdout=log, stderr=subprocess.STDOUT)
+    try:
+        client = redis_server.client()
+        deadline = time.monotonic() + 60
+        while client.llen(ECHO_KEY) < len(rows) and worker.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        records = [json.loads(r) for r in client.lrange(ECHO_KEY, 0, -1)]
+        assert len(records) == len(rows), (tmp_path / "worker.log").read_text()
+        assert [r["id"] for r in records] == [s.job_id for s in expected]
+        assert [r["job"] for r in records] == [s.to_dict() for s in expected]
+        assert [r["kwargsrepr"] for r in records] == [repr(s.to_dict()) for s in expected]
+        assert {r["queue"] for r in records} == {queue}
+
+        report = campaign_status("echo", broker)  # the live worker answers: it consumes the queue
+        assert report["queues"] == [{"name": queue, "jobs": 0, "consumers": 1}]
+        assert report["warnings"] == []
+    finally:
+        worker.terminate()
+        try:
+            worker.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
+        log.close()
+
+
+def test_broker_down_is_a_clear_error(cli: Cli) -> None:
+    code, _, err = cli("status", "c", "--broker", "redis://127.0.0.1:1/0")
+    assert code == 1
+    assert "renderfarm: error: broker redis://127.0.0.1:1/0:" in err
+
+
+def test_the_producer_side_never_imports_jax() -> None:
+    check = ("import sys, producer, producer.commands, producer.status, producer.submit; "
+             "sys.exit(any(m == 'jax' or m.startswith('jax.') for m in sys.modules))")
+    assert subprocess.run([sys.executable, "-c", check], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                          timeout=60).returncode == 0

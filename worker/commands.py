@@ -1,0 +1,83 @@
+"""`renderfarm worker`: load and compile the model, then consume its queue in batches."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+
+from renderfarm.jobs import DTYPES, SCHEDULERS, JobError
+
+SHAPE_RE = re.compile(r"(\d+)x(\d+)@(\d+)(?::(\w+))?")
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int, str | None]]:
+    """`512x512@25,768x512@30:dpm` -> [(512, 512, 25, None), (768, 512, 30, "dpm")]."""
+    shapes = []
+    for part in filter(None, text.split(",")):
+        match = SHAPE_RE.fullmatch(part.strip())
+        if not match or (match[4] and match[4] not in SCHEDULERS):
+            raise JobError("precompile", part, "must be WIDTHxHEIGHT@STEPS[:SCHEDULER], comma-separated")
+        shapes.append((int(match[1]), int(match[2]), int(match[3]), match[4]))
+    return shapes
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from celery.apps.worker import Worker
+
+    from renderfarm.jobs import JobSpec
+    from renderfarm.progress import Progress
+    from renderfarm.queue import make_app, queue_name
+    from renderfarm.settings import Settings
+    from renderfarm.storage import RetryPolicy, open_storage
+    from worker.engine import Engine, StandInEngine, enable_compilation_cache
+    from worker.farm import Batcher, Processor, node_name, render_task
+    from worker.models import load_model
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    shapes = parse_shapes(args.precompile or "")
+    settings = Settings.from_env(broker_url=args.broker)
+    enable_compilation_cache(args.compile_cache)
+    model = load_model(args.model, args.dtype)
+    engine = (Engine(model, per_device_batch=args.per_device_batch) if args.stand_in is None
+              else StandInEngine(model, args.stand_in, per_device_batch=args.per_device_batch))
+    for width, height, steps, scheduler in shapes:
+        engine.compiled(engine.check(JobSpec(prompt="-", model=model.ref, seed=0, steps=steps, width=width,
+                                             height=height, scheduler=scheduler, dtype=args.dtype)))
+    # Outages longer than the default retry window must not fail jobs: keep trying ~5 min.
+    storage = open_storage(args.out, retry=RetryPolicy(attempts=14, base_delay=0.5, max_delay=30.0))
+    app = make_app(settings)
+    # Unacked: the batch being gathered, the one rendering, those being stored (BatchWriter
+    # keeps at most 2), and the next one already here.
+    app.conf.worker_prefetch_multiplier = 5 * engine.batch_size
+    processor = Processor(engine, storage, Progress.from_url(settings.broker_url), app, settings)
+    app.register_task(render_task(Batcher(processor, engine.batch_size, args.max_wait)))
+    queue = queue_name(model.ref, model.dtype)
+    logging.getLogger("renderfarm.worker").info(
+        "serving %s (%s) from queue %r in batches of %d on %d %s devices, storing to %s",
+        model.ref, model.dtype, queue, engine.batch_size, len(engine.devices),
+        engine.devices[0].device_kind, storage.describe())
+    Worker(app=app, hostname=args.node_name or node_name(), pool_cls="solo", concurrency=1,
+           queues=[queue], loglevel="INFO", without_mingle=True, without_gossip=True,
+           task_events=True, redirect_stdouts=False).start()
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    worker = sub.add_parser("worker", help="serve a model's queue: render jobs in batches, store them")
+    worker.add_argument("--model", required=True, help="hub id[@revision], local folder or gs:// folder")
+    worker.add_argument("--out", required=True, help="local folder or gs://bucket/prefix")
+    worker.add_argument("--dtype", choices=DTYPES, default="float32")
+    worker.add_argument("--per-device-batch", type=int, default=1)
+    worker.add_argument("--max-wait", type=float, default=2.0,
+                        help="seconds a partial batch waits for more jobs before it renders")
+    worker.add_argument("--broker", help="default: $RENDERFARM_BROKER_URL or redis://localhost:6379/0")
+    worker.add_argument("--precompile", metavar="WxH@STEPS[:SCHED],...",
+                        help="shapes to compile before consuming anything")
+    worker.add_argument("--node-name", help="Celery node name (default: renderfarm-PID@HOST)")
+    worker.add_argument("--compile-cache", default=os.environ.get("RENDERFARM_COMPILE_CACHE"))
+    worker.add_argument("--stand-in", type=float, metavar="SECONDS",
+                        help="benchmark the control plane: no rendering, each batch sleeps SECONDS "
+                             "and stores blank images")
+    worker.set_defaults(handler=cmd_worker)
