@@ -68,6 +68,18 @@ class Progress:
     def is_cancelled(self, campaign: str) -> bool:
         return bool(self.r.exists(key(campaign, "cancel")))
 
+    def cancelled_among(self, campaigns: Iterable[str]) -> set[str]:
+        """Which of these campaigns are cancelled, in one round trip."""
+        campaigns = sorted(campaigns)
+        pipe = self.r.pipeline(transaction=False)
+        for campaign in campaigns:
+            pipe.exists(key(campaign, "cancel"))
+        return {c for c, flag in zip(campaigns, pipe.execute()) if flag}
+
+    def refund_attempt(self, job_id: str) -> None:
+        """An attempt that failed for reasons not the job's (storage down) does not count."""
+        self.r.hincrby(ATTEMPTS, job_id, -1)
+
     def started(self, jobs: Iterable[tuple[str, str]]) -> list[int]:
         """Mark (campaign, job id) pairs running; returns each job's attempt number."""
         jobs = list(jobs)

@@ -32,6 +32,9 @@ def make_app(settings: Settings | None = None) -> Celery:
         "visibility_timeout": settings.visibility_timeout,
         "unacked_restore_interval": settings.restore_interval,
         "unacked_restore_throttle": 1,
+        # A worker killed while it scans holds the scan's lock until this expires (kombu's
+        # default is 300 s, which would hold back a dead worker's jobs that long).
+        "unacked_mutex_expire": 5 * settings.restore_interval,
         "queue_order_strategy": "priority",
         "priority_steps": PRIORITY_STEPS,
     }

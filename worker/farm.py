@@ -115,14 +115,15 @@ class Processor:
     def _store_failed(self, result: Rendered, error: Exception) -> None:
         job = self._take(result.spec.job_id)
         job.attempt -= 1  # storage outages are not the job's fault
-        self.progress.r.hincrby("rf:attempts", result.spec.job_id, -1)
+        self.progress.refund_attempt(result.spec.job_id)
         self._retry_later(job, f"storage: {error!r}")
 
     # -- the batch -----------------------------------------------------------------
 
     def _admit(self, jobs: list[Job]) -> list[Job]:
         """Validate each job; fail the bad ones, skip cancelled ones; mark the rest started."""
-        admitted = []
+        admitted, cancelled = [], self.progress.cancelled_among({j.request.kwargs.get("campaign", "")
+                                                                  for j in jobs if isinstance(j.request.kwargs, dict)})
         for job in jobs:
             try:
                 job.spec = parse_job(job.request.kwargs, size_step=self.engine.model.size_step)
@@ -132,7 +133,7 @@ class Processor:
             except JobError as err:
                 self._fail(job, f"invalid job: {err}")
                 continue
-            if self.progress.is_cancelled(job.campaign):
+            if job.campaign in cancelled:
                 self.progress.skipped(job.campaign, job.spec.job_id)
                 self.app.backend.mark_as_revoked(job.request.id, "campaign cancelled")
                 job.request.send_event("task-revoked", terminated=False, signum=None, expired=False)
