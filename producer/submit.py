@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from producer.ingest import build_jobs, prompt_rows
 from renderfarm.jobs import JobError, JobSpec
-from renderfarm.progress import ATTEMPTS, Progress, key
+from renderfarm.progress import Progress, key
 from renderfarm.queue import TASK_NAME, job_message, make_app
 from renderfarm.settings import Settings
 
@@ -121,10 +121,8 @@ class _Enqueuer:
         for job_id in ids:
             pipe.sadd(members, job_id)
         pipe.expire(members, SUBMISSION_TTL)
-        # A resubmitted job starts afresh: no stale failure, a full set of attempts.
-        pipe.hdel(key(campaign, "failed"), *ids)
-        pipe.hdel(ATTEMPTS, *ids)
         added = pipe.execute()[:len(ids)]
+        self.progress.restart(campaign, ids)
         new = [m for m, is_new in zip(todo, added) if is_new]
         self.duplicates += len(todo) - len(new)
         if new:

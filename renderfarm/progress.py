@@ -9,6 +9,7 @@ Keys (CAMPAIGN is validated by the job contract, so it cannot reach outside its 
   rf:c:CAMPAIGN:cancelled   set of job ids skipped because the campaign was cancelled
   rf:c:CAMPAIGN:cancel      flag: queued jobs of the campaign are skipped
   rf:c:CAMPAIGN:times       hash: first_done, last_done (unix seconds)
+  rf:c:CAMPAIGN:submission:ID  set of the job ids one submission sent (expires after 7 days)
   rf:attempts               hash job id -> attempts started
   rf:queues                 set of queue names producers have used
 """
@@ -46,6 +47,13 @@ class Progress:
         pipe.sadd(key(campaign, "submitted"), *job_ids)
         if queue is not None:
             pipe.sadd(QUEUES, queue)
+        pipe.execute()
+
+    def restart(self, campaign: str, job_ids: list[str]) -> None:
+        """Jobs submitted again start afresh: no stale failure, a full set of attempts."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hdel(key(campaign, "failed"), *job_ids)
+        pipe.hdel(ATTEMPTS, *job_ids)
         pipe.execute()
 
     def done_among(self, campaign: str, job_ids: list[str]) -> list[bool]:

@@ -50,7 +50,9 @@ class Job:
 
     @property
     def campaign(self) -> str:
-        return self.spec.campaign if self.spec else "unknown"
+        """Only asked once the job is validated."""
+        assert self.spec is not None
+        return self.spec.campaign
 
 
 class Processor:
@@ -141,7 +143,7 @@ class Processor:
                 job.request.acknowledge()
                 continue
             admitted.append(job)
-        attempts = self.progress.started((j.campaign, j.spec.job_id) for j in admitted if j.spec)
+        attempts = self.progress.started((j.campaign, j.spec.job_id) for j in admitted)  # type: ignore[union-attr]
         fresh = []
         for job, attempt in zip(admitted, attempts):
             job.attempt = attempt
