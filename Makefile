@@ -6,7 +6,11 @@ BIN := $(VENV)/bin
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: demo test bench lock clean
+# The tests run a real redis-server and drive a real headless Chromium (Debian's packages).
+SYSTEM_PACKAGES := redis-server chromium
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: demo test bench lock clean system-packages
 
 $(BIN)/.installed: pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
@@ -20,12 +24,17 @@ demo: $(BIN)/.installed
 		--out out --campaign demo --seed 0 --steps 4
 	@echo "images, sidecars and manifest.jsonl are in out/demo/"
 
-test: $(BIN)/.installed
+test: $(BIN)/.installed system-packages
 	$(BIN)/python -m pytest -q
 
-bench: $(BIN)/.installed
-	$(BIN)/python bench/engine_vs_direct.py
-	PYTHONPATH=. $(BIN)/python bench/farm.py
+system-packages:
+	@command -v redis-server >/dev/null && command -v chromium >/dev/null || \
+		{ $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $(SYSTEM_PACKAGES); }
+
+BENCHMARKS := engine_vs_direct parallelism farm overlap warmstart shapes ingest fleet flops dtype
+
+bench: $(BIN)/.installed system-packages
+	set -e; for name in $(BENCHMARKS); do echo "== bench/$$name.py"; PYTHONPATH=. $(BIN)/python bench/$$name.py; done
 
 # Re-resolve every dependency from scratch and write the lock (run after changing pyproject).
 lock:

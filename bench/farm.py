@@ -7,7 +7,7 @@
 (b) control plane: one `renderfarm worker` whose renderer is a stand-in that answers at
     once (`--stand-in 0`): jobs/s through broker, batching, events, results and storage.
 (c) end to end: one worker with the tiny model against `renderfarm render` of the same jobs
-    (both after compile); farm images/s divided by local images/s.
+    (default job parameters, both after compile); farm images/s divided by local images/s.
 
 Usage: PYTHONPATH=. python bench/farm.py [--parts abc]
 """
@@ -61,17 +61,18 @@ def bench_submit(n: int = 100_000) -> float:
 
 
 def farm_rate(model: Path, tmp: Path, n: int, steps: int, stand_in: float | None,
-              out: Path | None = None) -> float:
+              out: Path | None = None, size: int = 64) -> float:
     """Jobs/s of one worker from its first stored job to its last (compile excluded)."""
     server = RedisServer(appendonly=False)
     extra = ("--stand-in", str(stand_in)) if stand_in is not None else ()
-    worker = WorkerProcess(model, str((out or tmp) / f"farm-out-{time.monotonic_ns()}"), server.url, f"bench-{time.monotonic_ns()}", tmp,
-                           precompile=f"64x64@{steps}", extra=extra)
+    run = time.monotonic_ns()
+    worker = WorkerProcess(model, str((out or tmp) / f"farm-out-{run}"), server.url, f"bench-{run}", tmp,
+                           precompile=f"{size}x{size}@{steps}", extra=extra)
     try:
-        worker.wait_ready(farm_app(server.url))
+        worker.wait_ready(farm_app(server.url), timeout=600)
         progress = Progress(server.client())
         submit([f"a lighthouse, variation {i}" for i in range(n)], model=str(model), campaign="bench",
-               seed=0, steps=steps, broker=server.url, progress=False)
+               seed=0, steps=steps, width=size, height=size, broker=server.url, progress=False)
         wait_for(lambda: progress.status("bench")["done"] >= 1, 300, "the first job")
         start, first = time.perf_counter(), progress.status("bench")["done"]
         wait_for(lambda: progress.status("bench")["done"] >= n, 600, f"{n} jobs")
@@ -117,7 +118,9 @@ def main() -> None:
             rate = farm_rate(model, Path(tmp) / "b", n, steps=1, stand_in=0.0, out=SHM)
             print(f"(b) control plane, 1 worker, stand-in renderer, batch 8: {rate:,.0f} jobs/s (target >= 500)")
         if "c" in args.parts:
-            n, steps = 256, 4
+            # The default job (25 steps) at the tiny model's native 64x64: per image a small
+            # fraction of a real model's compute, so the farm's per-job cost shows plainly.
+            n, steps = 256, 25
             (Path(tmp) / "c").mkdir()
             # Local before and after the farm, so a drift of the machine shows and averages out.
             before = local_rate(model, Path(tmp) / "c", n, steps)

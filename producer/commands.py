@@ -1,4 +1,4 @@
-"""The farm subcommands of `renderfarm` (submit, status, cancel). Producer side: no JAX."""
+"""The farm subcommands of `renderfarm` (submit, status, cancel, campaign). Producer side: no JAX."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import redis
 from kombu.exceptions import KombuError
 
 from producer.status import campaign_status, cancel_campaign, farm_queues, format_status
-from producer.submit import WaitTimeout, submit, wait_for
+from producer.submit import Submission, WaitTimeout, submit, wait_for
 from renderfarm.settings import Settings
 
 Handler = Callable[[argparse.Namespace], int]
@@ -38,6 +38,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
     submission = submit(args.prompts_args, prompts_file=args.prompts, seed=args.seed,
                         priority=args.priority, broker=args.broker, **job_defaults(args))
     print(submission.summary())
+    return _follow(args, submission, args.campaign)
+
+
+def _follow(args: argparse.Namespace, submission: Submission, campaign: str) -> int:
+    """With --wait or --timeout: a progress bar until the submission's jobs are finished."""
     if not (args.wait or args.timeout is not None):
         return 0
     try:
@@ -50,9 +55,53 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return 1
     print(f"finished: {counts['done']} done, {counts['failed']} failed, {counts['cancelled']} cancelled")
     if counts["failed"]:
-        print(f"renderfarm status {args.campaign} lists why jobs failed", file=sys.stderr)
+        print(f"renderfarm status {campaign} lists why jobs failed", file=sys.stderr)
         return 1
     return 0
+
+
+def cmd_campaign_validate(args: argparse.Namespace) -> int:
+    from producer.campaigns import load_spec, scan_campaign
+
+    spec = load_spec(args.spec)
+    scan = scan_campaign(spec)
+    print(f"campaign {spec.name}: {scan.rows} rows from {spec.source}, {scan.jobs} jobs "
+          f"({spec.images_per_prompt} per row), seeds {spec.base_seed}.."
+          f"{spec.base_seed + max(scan.rows * spec.images_per_prompt - 1, 0)}, output {spec.output}")
+    print("shapes (model, width, height, steps, scheduler; none = the model's default):")
+    for (model, width, height, steps, scheduler), jobs in scan.shapes.most_common():
+        print(f"  {model} {width or 'default'}x{height or 'default'} {steps} steps "
+              f"{scheduler or 'default scheduler'}: {jobs} jobs")
+    if scan.ignored_columns:
+        print(f"ignored columns (not job fields): {', '.join(scan.ignored_columns)}")
+    if spec.schedule:
+        print(f"schedule: {spec.schedule}")
+    if scan.bad_rows:
+        print(f"{scan.bad_rows} bad rows (skipped by `campaign run`; --strict refuses to run):")
+        print("\n".join(f"  {row}" for row in scan.first_bad))
+        if scan.bad_rows > len(scan.first_bad):
+            print(f"  ... and {scan.bad_rows - len(scan.first_bad)} more")
+        return 1
+    if not scan.jobs:
+        print("invalid: the source gives no job", file=sys.stderr)
+        return 1
+    print("valid")
+    return 0
+
+
+@_broker_errors
+def cmd_campaign_run(args: argparse.Namespace) -> int:
+    from producer.campaigns import StrictError, load_spec, run_campaign
+
+    spec = load_spec(args.spec)
+    try:
+        run = run_campaign(spec, settings=Settings.from_env(broker_url=args.broker), strict=args.strict)
+    except StrictError as err:
+        print(f"renderfarm: error: {err}", file=sys.stderr)
+        print("\n".join(f"  bad {row}" for row in err.scan.first_bad), file=sys.stderr)
+        return 1
+    print(run.summary())
+    return 0 if run.submission is None else _follow(args, run.submission, spec.name)
 
 
 @_broker_errors
@@ -77,7 +126,7 @@ def _broker_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add submit, status and cancel to the `renderfarm` command's subparsers."""
+    """Add submit, status, cancel and campaign to the `renderfarm` command's subparsers."""
     from renderfarm.cli import job_flags  # cli.py calls register: import it only then
 
     submit_parser = sub.add_parser("submit", help="enqueue jobs for the farm's workers")
@@ -101,3 +150,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     cancel.add_argument("campaign", metavar="CAMPAIGN")
     _broker_flag(cancel)
     cancel.set_defaults(handler=cmd_cancel)
+
+    campaign = sub.add_parser("campaign", help="check or run a campaign spec (YAML; docs/campaigns.md)")
+    actions = campaign.add_subparsers(dest="action", required=True)
+    validate = actions.add_parser("validate", help="check the spec and every row; count jobs; list bad rows")
+    validate.add_argument("spec", metavar="SPEC")
+    validate.set_defaults(handler=cmd_campaign_validate)
+    run = actions.add_parser("run", help="submit the jobs whose results are not in storage yet")
+    run.add_argument("spec", metavar="SPEC")
+    run.add_argument("--strict", action="store_true", help="enqueue nothing if any row is bad")
+    run.add_argument("--wait", action="store_true", help="show progress until every job submitted is finished")
+    run.add_argument("--timeout", type=float, metavar="S", help="give up waiting after S seconds, exit 1 (implies --wait)")
+    _broker_flag(run)
+    run.set_defaults(handler=cmd_campaign_run)

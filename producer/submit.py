@@ -3,9 +3,12 @@
 Two streaming passes over the input keep memory flat in its size and enqueue nothing from a
 bad file: the first only validates, the second enqueues in chunks. A chunk costs a handful of
 Redis round trips, not one per job: which jobs are already done, the campaign bookkeeping,
-and the messages. Celery builds each message (`as_task_v2`, `send_task_message`) and kombu's
-own Redis publish batch (`Producer.batch`, kombu >= 5.7) writes it, so the bytes are what
-`send_task` would write (minus the per-job round trip and the task-sent event).
+and the messages (one LPUSH per queue and priority). Building a message through Celery and
+kombu for each job (`as_task_v2`, `send_task_message`, `Producer.publish`) cost most of a
+submit's time, so `_TaskMessages` has them build one message per queue and priority with
+placeholders, and each job fills in its id, kwargs, kwargsrepr and delivery tag: the bytes
+are what `send_task` writes (minus its per-job round trip and the task-sent event), which
+tests/test_producer.py checks.
 
 A submission records its job ids per campaign (`rf:c:CAMPAIGN:submission:ID`, expiring), so
 `wait` follows exactly its jobs and a job given twice in one input is sent once.
@@ -23,7 +26,12 @@ from typing import Any
 
 import redis
 from celery import Celery
+from celery.utils.saferepr import saferepr
 from kombu import Producer
+from kombu.entity import maybe_delivery_mode
+from kombu.serialization import dumps as serialize
+from kombu.utils.json import JSONEncoder
+from kombu.utils.uuid import uuid
 from tqdm import tqdm
 
 from producer.ingest import build_jobs, prompt_rows
@@ -35,7 +43,7 @@ from renderfarm.settings import Settings
 CHUNK = 1000  # jobs per round trip: big enough to amortise it, small enough to stay flat
 SUBMISSION_TTL = 7 * 24 * 3600  # how long `wait` can follow a submission (as results live)
 POLL_SECONDS = 1.0
-
+NO_ARGS_REPR = "()"  # what Celery's saferepr makes of a job's (empty) args, without its cost
 
 
 def _members_key(campaign: str, submission_id: str) -> str:
@@ -78,12 +86,65 @@ class WaitTimeout(TimeoutError):
     """The submission's jobs did not all finish in time; the message says how far they got."""
 
 
+class _TaskMessages:
+    """Jobs' Celery task messages in the form kombu's Redis transport stores them (its JSON
+    envelope), with the list each goes to. Celery and kombu build one message per queue and
+    priority, with placeholders for what differs between jobs; a job's message is that
+    template filled in, the same bytes at a fraction of the cost."""
+
+    KWARGS = {"rf-slot": "kwargs"}  # stands for a job's kwargs in the body
+    SLOTS = {"id": "rf-slot-id", "kwargsrepr": "rf-slot-kwargsrepr", "body": "rf-slot-body",
+             "tag": "rf-slot-delivery-tag"}  # stand for the rest in the envelope
+
+    def __init__(self, app: Celery, producer: Producer) -> None:
+        self.app, self.channel = app, producer.channel
+        self.repr_limit = app.amqp.kwargsrepr_maxsize
+        self.json = JSONEncoder()  # kombu's JSON, made once rather than once per call
+        self.templates: dict[tuple[str, int], tuple[str, str, str, str]] = {}
+
+    def render(self, message: dict[str, Any]) -> tuple[str, str]:
+        """(Redis list, stored message) of a `job_message`."""
+        target = (message["queue"], message["priority"])
+        template = self.templates.get(target) or self._template(*target)
+        key, body_head, body_tail, envelope = template
+        kwargs, encode = message["kwargs"], self.json.encode
+        shown = repr(kwargs)  # what Flower shows; Celery's saferepr (30x a repr) only to cut it
+        if len(shown) > self.repr_limit:
+            shown = saferepr(kwargs, self.repr_limit)
+        body = self.channel.encode_body(body_head + encode(kwargs) + body_tail, self.channel.body_encoding)[0]
+        return key, envelope.format(id=encode(message["task_id"]), kwargsrepr=encode(shown),
+                                    body=encode(body), tag=encode(uuid()))
+
+    def _template(self, queue_name: str, priority: int) -> tuple[str, str, str, str]:
+        """What `send_task_message` and `Producer.publish` make of a job for this queue and
+        priority, and what the Redis channel's `basic_publish` and `_put` store, with slots."""
+        amqp, channel, slots = self.app.amqp, self.channel, self.SLOTS
+        headers, properties, body, _ = amqp.as_task_v2(
+            slots["id"], TASK_NAME, kwargs=self.KWARGS, argsrepr=NO_ARGS_REPR, kwargsrepr=slots["kwargsrepr"])
+        content_type, content_encoding, payload = serialize(body, serializer=self.app.conf.task_serializer)
+        body_head, body_tail = payload.split(self.json.encode(self.KWARGS))
+        queue = amqp.queues[queue_name]
+        properties["delivery_mode"] = maybe_delivery_mode(
+            queue.exchange.delivery_mode or self.app.conf.task_default_delivery_mode)
+        message = channel.prepare_message(slots["body"], priority, content_type, content_encoding,
+                                          headers, properties)
+        message["properties"].update(body_encoding=channel.body_encoding, delivery_tag=slots["tag"])
+        message["properties"]["delivery_info"].update(exchange="", routing_key=queue_name)
+        text = self.json.encode(message).replace("{", "{{").replace("}", "}}")
+        for name, slot in slots.items():
+            text = text.replace(self.json.encode(slot), f"{{{name}}}")
+        key = channel._q_for_pri(queue_name, channel._get_message_priority(message, reverse=False))
+        self.templates[(queue_name, priority)] = template = (key, body_head, body_tail, text)
+        return template
+
+
 class _Enqueuer:
     """Sends chunks of validated jobs and counts what it did; remembers the (few) campaigns
     and queues it touched, never the jobs."""
 
     def __init__(self, app: Celery, producer: Producer, progress: Progress) -> None:
         self.app, self.producer, self.progress = app, producer, progress
+        self.messages = _TaskMessages(app, producer)
         self.id = secrets.token_hex(8)
         self.enqueued = self.already_done = self.duplicates = 0
         self.campaigns: dict[str, None] = {}  # ordered sets
@@ -118,34 +179,34 @@ class _Enqueuer:
         ids = [m["task_id"] for m in todo]
         pipe = self.progress.r.pipeline(transaction=False)
         members = _members_key(campaign, self.id)
-        for job_id in ids:
-            pipe.sadd(members, job_id)
+        pipe.smismember(members, ids)  # sent in an earlier chunk of this submission?
+        pipe.sadd(members, *ids)
         pipe.expire(members, SUBMISSION_TTL)
-        added = pipe.execute()[:len(ids)]
+        sent_before = pipe.execute()[0]
         self.progress.restart(campaign, ids)
-        new = [m for m, is_new in zip(todo, added) if is_new]
+        new, seen = [], set()  # of a job given twice in this chunk, the first goes
+        for message, sent in zip(todo, sent_before):
+            if not sent and message["task_id"] not in seen:
+                seen.add(message["task_id"])
+                new.append(message)
         self.duplicates += len(todo) - len(new)
         if new:
             self.progress.submitted(campaign, [m["task_id"] for m in new], queue)
         return new
 
     def _publish(self, messages: list[dict[str, Any]]) -> None:
-        amqp = self.app.amqp
-        with self.producer.batch(len(messages)):  # one pipelined flush for the chunk
-            for m in messages:
-                task = amqp.as_task_v2(m["task_id"], TASK_NAME, kwargs=m["kwargs"],
-                                       kwargsrepr=self._kwargsrepr(m["kwargs"]))
-                # No retry: a batch cannot replay; a failed flush raises and nothing is lost
-                # by submitting again (done jobs are skipped, a job sent twice renders the same).
-                amqp.send_task_message(self.producer, TASK_NAME, task, queue=m["queue"],
-                                       priority=m["priority"], retry=False, declare=[])
-                self.enqueued += 1
-
-    def _kwargsrepr(self, kwargs: dict[str, Any]) -> str | None:
-        """What Flower shows: the plain repr; Celery's saferepr (None) only when it must be
-        cut to size, because it costs 30x a repr: a quarter of the whole submit's time."""
-        shown = repr(kwargs)
-        return shown if len(shown) <= self.app.amqp.kwargsrepr_maxsize else None
+        """One LPUSH per list, in one round trip: the same lists, in the same order, as one
+        LPUSH per message. No retry: a failed write raises, and nothing is lost by submitting
+        again (done jobs are skipped, a job sent twice renders the same)."""
+        lists: dict[str, list[str]] = {}
+        for m in messages:
+            name, stored = self.messages.render(m)
+            lists.setdefault(name, []).append(stored)
+        with self.messages.channel.conn_or_acquire() as client, client.pipeline(transaction=False) as pipe:
+            for name, stored_messages in lists.items():
+                pipe.lpush(name, *stored_messages)
+            pipe.execute()
+        self.enqueued += len(messages)
 
     def result(self, broker_url: str, seconds: float) -> Submission:
         return Submission(self.id, broker_url, self.enqueued, self.already_done, self.duplicates,
@@ -159,11 +220,19 @@ def submit_jobs(jobs: Callable[[], Iterable[JobSpec]], settings: Settings | None
     started = time.perf_counter()
     if not sum(1 for _ in jobs()):  # the validating pass; keeps no job
         raise JobError("prompts", None, "give at least one PROMPT or --prompts FILE")
+    return enqueue_jobs(jobs(), settings, chunk_size, started)
+
+
+def enqueue_jobs(jobs: Iterable[JobSpec], settings: Settings | None = None, chunk_size: int = CHUNK,
+                 started: float | None = None) -> Submission:
+    """Enqueue already validated jobs chunk by chunk, in one streaming pass (campaigns validate
+    in their own pass). `started` (a perf_counter time) counts earlier passes in the rate."""
+    started = time.perf_counter() if started is None else started
     settings = settings or Settings.from_env()
     with (redis.Redis.from_url(settings.broker_url) as client, make_app(settings) as app,
           app.producer_or_acquire() as producer):
         enqueuer = _Enqueuer(app, producer, Progress(client))
-        stream = iter(jobs())
+        stream = iter(jobs)
         while chunk := list(itertools.islice(stream, chunk_size)):
             enqueuer.send(chunk)
     return enqueuer.result(settings.broker_url, time.perf_counter() - started)

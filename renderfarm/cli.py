@@ -52,14 +52,15 @@ def cmd_render(args: argparse.Namespace) -> int:
     if not first:
         raise JobError("prompts", None, "give at least one PROMPT or --prompts FILE")
     from worker.engine import Engine, enable_compilation_cache
+    from worker.executables import ExecutableStore
     from worker.local import render_to_storage
     from worker.models import load_model
 
-    enable_compilation_cache(args.compile_cache)
+    cache = enable_compilation_cache(args.compile_cache)
     model = load_model(args.model, args.dtype)
     specs = list(build_jobs(itertools.chain(first, rows), job_defaults(args), args.seed, model.size_step))
     storage = open_storage(args.out, durable=False)  # nothing is acked on it
-    engine = Engine(model, per_device_batch=args.per_device_batch)
+    engine = Engine(model, per_device_batch=args.per_device_batch, executables=ExecutableStore(cache / "executables"))
     report = render_to_storage(specs, engine, storage, progress=not args.quiet)
     for campaign in report.campaigns:
         print(f"wrote {sum(s.campaign == campaign for s in specs)} images to {storage.url(campaign)}/ "
@@ -67,8 +68,8 @@ def cmd_render(args: argparse.Namespace) -> int:
     print(f"{report.images} images in {report.render_seconds:.2f}s after compile: "
           f"{report.images_per_second:.2f} images/s on {len(engine.devices)} "
           f"{engine.devices[0].device_kind} devices (batch {engine.batch_size}); "
-          f"compile {report.compile_seconds:.1f}s ({report.programs} programs, "
-          f"{report.cache_hits} from the persistent cache)")
+          f"compile {report.compile_seconds:.1f}s ({report.programs} programs: {report.loaded} saved "
+          f"executables loaded, {report.cache_hits} from the persistent cache)")
     return 0
 
 
@@ -92,15 +93,15 @@ def parser() -> argparse.ArgumentParser:
     render.add_argument("--quiet", action="store_true", help="no progress bar")
     render.set_defaults(handler=cmd_render)
 
-    from worker import commands as worker_commands  # argparse only: no JAX until it runs
+    # Each module registers its own commands; none imports JAX (or pyarrow, Flower,
+    # Celery's worker) until its command runs.
+    from producer import commands as producer_commands
+    from producer import export, schedules
+    from renderfarm import flower, gallery
+    from worker import commands as worker_commands
 
-    worker_commands.register(sub)
-    from producer import commands as producer_commands  # no JAX; imports Celery, kombu, redis
-
-    producer_commands.register(sub)
-    from renderfarm import flower  # argparse only: Flower and Celery load when it runs
-
-    flower.register(sub)
+    for module in (worker_commands, producer_commands, schedules, flower, export, gallery):
+        module.register(sub)
     return top
 
 

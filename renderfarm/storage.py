@@ -6,6 +6,9 @@ path / ``file://path``.  Layout under the root::
     ROOT/CAMPAIGN/JOB_ID.png        the image
     ROOT/CAMPAIGN/JOB_ID.json       sidecar JSON
     ROOT/CAMPAIGN/manifest.jsonl    one line per finished job
+    ROOT/CAMPAIGN/thumbs/JOB_ID.jpg thumbnail (~128 px) for the gallery
+    ROOT/CAMPAIGN/index.html        static gallery page (relative links)
+    ROOT/CAMPAIGN/preview.png       contact sheet of the newest thumbnails
 
 All backend methods take names relative to the root (e.g. ``"local/abc.png"``).
 Missing objects raise :class:`FileNotFoundError` on every backend.  Transient
@@ -26,7 +29,6 @@ import os
 import random
 import re
 import socket
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -46,11 +48,14 @@ __all__ = [
     "RetryPolicy",
     "Storage",
     "image_name",
+    "index_name",
     "is_transient_error",
     "make_gcs_client",
     "manifest_name",
     "open_storage",
+    "preview_name",
     "sidecar_name",
+    "thumbnail_name",
     "validate_job_id",
 ]
 
@@ -84,6 +89,21 @@ def sidecar_name(campaign: str, job_id: str) -> str:
 def manifest_name(campaign: str) -> str:
     """Relative name of a campaign's manifest (one JSON line per finished job)."""
     return f"{check_campaign(campaign)}/{MANIFEST_BASENAME}"
+
+
+def thumbnail_name(campaign: str, job_id: str) -> str:
+    """Relative name of a job's gallery thumbnail: ``CAMPAIGN/thumbs/JOB_ID.jpg``."""
+    return f"{check_campaign(campaign)}/thumbs/{validate_job_id(job_id)}.jpg"
+
+
+def index_name(campaign: str) -> str:
+    """Relative name of a campaign's static gallery page: ``CAMPAIGN/index.html``."""
+    return f"{check_campaign(campaign)}/index.html"
+
+
+def preview_name(campaign: str) -> str:
+    """Relative name of a campaign's contact sheet: ``CAMPAIGN/preview.png``."""
+    return f"{check_campaign(campaign)}/preview.png"
 
 
 def _check_name(name: str, *, prefix: bool = False) -> str:
@@ -343,8 +363,15 @@ class LocalStorage(Storage):
         data = bytes(data)
 
         def op() -> None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=path.parent)
+            # Named by thread id (unique on the host while it lives): no mkstemp, and the
+            # folder is made only when missing, not on every write.
+            tmp = path.with_name(f"{_TMP_PREFIX}{path.name}.{threading.get_native_id()}")
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+            try:
+                fd = os.open(tmp, flags, 0o644)
+            except FileNotFoundError:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(tmp, flags, 0o644)
             try:
                 try:
                     _write_all(fd, data)
@@ -352,7 +379,6 @@ class LocalStorage(Storage):
                         os.fsync(fd)
                 finally:
                     os.close(fd)
-                os.chmod(tmp, 0o644)
                 os.replace(tmp, path)
             except BaseException:
                 try:

@@ -21,6 +21,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 from tests.gcs_emulator import GcsEmulator  # noqa: E402
+from tests.redis_server import RedisServer  # noqa: E402
 
 STEPS = 3  # few steps: the tests check plumbing and numerics, not image quality
 
@@ -72,6 +73,21 @@ def sdxl_engine(sdxl_model):  # noqa: ANN001, ANN201
     from worker.engine import Engine
 
     return Engine(sdxl_model)
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    """A redis-server of the module's own (a module may override it, e.g. with AOF on)."""
+    server = RedisServer(appendonly=False)
+    yield server
+    server.close()
+
+
+@pytest.fixture()
+def broker(redis_server: RedisServer) -> str:
+    """The module's Redis, emptied for each test."""
+    redis_server.client().flushall()
+    return redis_server.url
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ tiny model on 8 CPU devices, the google-cloud-storage client against the emulato
 from __future__ import annotations
 
 import ast
+import dataclasses
 import io
 import json
 import shutil
@@ -19,9 +20,25 @@ from PIL import Image
 from renderfarm.jobs import JobSpec
 from renderfarm.progress import Progress
 from renderfarm.queue import TASK_NAME, queue_name
-from renderfarm.storage import Storage, open_storage
+from renderfarm.storage import (
+    Storage,
+    image_name,
+    index_name,
+    manifest_name,
+    open_storage,
+    preview_name,
+    sidecar_name,
+    thumbnail_name,
+)
 from tests.conftest import STEPS
-from tests.farm import WorkerProcess, enqueue, farm_app, manifest_ids, publish_raw, wait_for
+from tests.farm import (
+    WorkerProcess,
+    enqueue,
+    farm_app,
+    manifest_ids,
+    publish_raw,
+    wait_for,
+)
 from tests.flower_process import poll, run_flower
 from tests.gcs_emulator import GcsEmulator
 from tests.redis_server import RedisServer
@@ -74,8 +91,9 @@ def wait_done(progress: Progress, campaign: str, n: int, timeout: float = 180) -
 def assert_landed_once(storage: Storage, specs: list[JobSpec]) -> None:
     campaign = specs[0].campaign
     names = set(storage.list(f"{campaign}/"))
-    expected = {f"{campaign}/{s.job_id}.{ext}" for s in specs for ext in ("png", "json")}
-    assert expected <= names and len(names - expected) == 1  # + manifest.jsonl
+    results = {name(campaign, s.job_id) for s in specs for name in (image_name, sidecar_name, thumbnail_name)}
+    gallery = {index_name(campaign), preview_name(campaign)}  # rebuilt now and then: may lag
+    assert results | {manifest_name(campaign)} <= names <= results | {manifest_name(campaign)} | gallery
     ids = manifest_ids(storage, campaign)
     assert set(ids) == {s.job_id for s in specs}
 
@@ -212,6 +230,32 @@ def test_worker_killed_mid_batch(farm: dict, bucket: Storage, tiny_sd: Path, red
         rescuer.stop()
     assert (status["done"], status["failed"]) == (24, 0)
     assert_landed_once(bucket, specs)
+
+
+def test_interleaved_shapes_run_in_full_batches(farm: dict, bucket: Storage, tiny_sd: Path,
+                                                redis_server: RedisServer, tmp_path: Path) -> None:
+    """Two shapes alternating on the queue: the worker groups them by shape key, so each
+    batch runs full instead of half padding (bench/shapes.py measures the fill)."""
+    model = tmp_path / "tiny-sd-shapes"  # its own queue, served by this worker alone
+    shutil.copytree(tiny_sd, model)
+    specs = [dataclasses.replace(spec, width=(64, 80)[i % 2])
+             for i, spec in enumerate(jobs(model, "shapes", 32, seed=900))]
+    enqueue(farm["app"], farm["progress"], specs)
+    # A long --max-wait: on a CPU the devices' threads starve the consumer while a batch
+    # renders, so here only a full batch (or the end of the queue) may flush one.
+    worker = WorkerProcess(model, OUT, redis_server.url, "shapes", farm["logs"], farm["env"],
+                           precompile=f"64x64@{STEPS},80x64@{STEPS}", extra=("--max-wait", "10"))
+    try:
+        status = wait_done(farm["progress"], "shapes", 32)
+    finally:
+        worker.stop()
+    assert (status["done"], status["failed"]) == (32, 0)
+    assert_landed_once(bucket, specs)
+    batches = {}
+    for line in bucket.get(manifest_name("shapes")).decode().splitlines():
+        record = json.loads(line)
+        batches.setdefault(record["batch"]["seq"], set()).add((record["width"], record["batch"]["jobs"]))
+    assert len(batches) == 4 and all(len(shapes) == 1 and next(iter(shapes))[1] == 8 for shapes in batches.values())
 
 
 def test_redis_restart_mid_campaign(farm: dict, bucket: Storage, tiny_sd: Path, redis_server: RedisServer) -> None:

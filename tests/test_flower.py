@@ -27,12 +27,26 @@ from typing import Any
 
 import pytest
 
-from renderfarm.flower import ENV_AUTH, FlowerConfigError, check_flower_options, flower_argv, parse_auth
+from renderfarm.flower import (
+    ENV_AUTH,
+    FlowerConfigError,
+    check_flower_options,
+    flower_argv,
+    parse_auth,
+)
 from renderfarm.jobs import JobSpec
 from renderfarm.queue import TASK_NAME, job_message, queue_name
 from tests.celery_flower_app import create_app
-from tests.flower_process import (ROOT, FlowerProcess, child_env, cli_has_flower, flower_command, poll,
-                                  run_flower, stop_process)
+from tests.flower_process import (
+    ROOT,
+    FlowerProcess,
+    child_env,
+    cli_has_flower,
+    flower_command,
+    poll,
+    run_flower,
+    stop_process,
+)
 from tests.redis_server import RedisServer
 
 AUTH = "ops:s3cret-pw, viewer:pass:with:colons"  # two users; a password may contain ':'

@@ -7,11 +7,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,28 +22,22 @@ from kombu.message import Message
 import renderfarm.cli as rf_cli
 from producer import WaitTimeout, campaign_status, submit, wait_for
 from producer.commands import register
+from producer.submit import enqueue_jobs
 from renderfarm.jobs import JobError, JobSpec
 from renderfarm.progress import Progress
-from renderfarm.queue import make_app, queue_name, redis_priority
+from renderfarm.queue import (
+    TASK_NAME,
+    job_message,
+    make_app,
+    queue_name,
+    redis_priority,
+)
 from renderfarm.settings import Settings
 from tests.celery_echo_app import ECHO_KEY
 from tests.redis_server import RedisServer
 
 REPO = Path(__file__).resolve().parents[1]
 Cli = Callable[..., tuple[int, str, str]]
-
-
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer(appendonly=False)
-    yield server
-    server.close()
-
-
-@pytest.fixture()
-def broker(redis_server: RedisServer) -> str:
-    redis_server.client().flushall()
-    return redis_server.url
 
 
 @pytest.fixture()
@@ -128,6 +123,44 @@ def test_submit_jsonl_routes_each_job_to_its_model_queue_and_priority(broker: st
     (other,) = drain(broker, "rf.bfloat16.x/y")
     assert other.decode()[1] == JobSpec(prompt="other model", model="x/y", seed=1, dtype="bfloat16",
                                         campaign="c2", priority=3).to_dict()
+
+
+def stored_queues(server: RedisServer) -> dict[bytes, list[str]]:
+    """Each queue list's messages as Redis holds them, their random delivery tags blanked."""
+    client, tag = server.client(), re.compile(r'"delivery_tag": "[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}"')
+    lists = {}
+    for name in client.scan_iter("rf.*", _type="list"):
+        messages = [m.decode() for m in client.lrange(name, 0, -1)]
+        assert all(len(tag.findall(m)) == 1 for m in messages)
+        lists[name] = [tag.sub('"delivery_tag": "-"', m) for m in messages]
+    return lists
+
+
+def test_a_job_is_the_message_celery_and_kombu_would_write(broker: str, redis_server: RedisServer) -> None:
+    """Submit fills in per-queue templates rather than running as_task_v2 and kombu's publish
+    per job: the stored bytes must be theirs, headers (with Flower's kwargsrepr), body and
+    properties, in the same priority lists and order."""
+    specs = [JobSpec(prompt='un château "q" \\ ☃ it\'s', model="org/m", seed=3, steps=4, width=512,
+                     campaign="c1", priority=7),
+             JobSpec(prompt="b", model="org/m", seed=4, guidance_scale=0.0, campaign="c1"),
+             JobSpec(prompt="urgent", model="org/m", seed=5, scheduler="ddim", campaign="c1", priority=9),
+             JobSpec(prompt="other", model="x/y", seed=6, dtype="bfloat16", campaign="c2", priority=0),
+             JobSpec(prompt="b2", model="org/m", seed=8, campaign="c1"),
+             # a kwargsrepr past Celery's size limit: Celery's saferepr cuts it
+             JobSpec(prompt="p" * 10_000, negative_prompt="n" * 10_000, model="org/m", seed=7, campaign="c1")]
+    enqueue_jobs(specs, Settings(broker_url=broker))
+    ours = stored_queues(redis_server)
+
+    redis_server.client().flushall()
+    with make_app(Settings(broker_url=broker)) as app, app.producer_or_acquire() as producer:
+        for spec in specs:
+            m = job_message(spec)
+            shown = repr(m["kwargs"])  # what Flower shows, as submit always sent it
+            task = app.amqp.as_task_v2(m["task_id"], TASK_NAME, kwargs=m["kwargs"],
+                                       kwargsrepr=shown if len(shown) <= app.amqp.kwargsrepr_maxsize else None)
+            app.amqp.send_task_message(producer, TASK_NAME, task, queue=m["queue"], priority=m["priority"])
+    assert ours == stored_queues(redis_server)
+    assert sorted(len(v) for v in ours.values()) == [1, 1, 1, 3]  # 4 lists: queue x priority
 
 
 BAD_LINES = {

@@ -16,7 +16,7 @@ from tests.conftest import STEPS
 from tests.gcs_emulator import GcsEmulator
 
 SIDECAR_FIELDS = {"job_id", "spec", "width", "height", "scheduler", "truncated", "model", "dtype",
-                  "png_sha256", "worker", "batch_size", "timings", "versions"}
+                  "png_sha256", "worker", "batch", "timings", "versions"}
 
 
 def render(*args: str) -> int:
@@ -48,7 +48,7 @@ def test_layout_sidecars_and_seeds(tiny_sd: Path, tmp_path: Path, capsys: pytest
         assert Image.open(io.BytesIO(png)).size == (64, 64)
         assert record["spec"]["negative_prompt"] == "blurry" and record["spec"]["campaign"] == "c1"
         assert record["model"] == {"ref": str(tiny_sd), "revision": None, "family": "sd"}
-        assert record["worker"]["device_count"] == 8 and record["batch_size"] == 8
+        assert record["worker"]["device_count"] == 8 and record["batch"]["slots"] == 8
         assert (record["width"], record["height"], record["scheduler"]) == (64, 64, "pndm")
         assert record["versions"]["diffusers"] == "0.39.0"
 

@@ -23,7 +23,6 @@ from renderfarm.storage import (
     open_storage,
     sidecar_name,
 )
-
 from tests.gcs_emulator import GcsEmulator, create_bucket
 
 FAST_RETRY = RetryPolicy(attempts=6, base_delay=0.05, max_delay=1.0)

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import re
+import time
 
 from renderfarm.jobs import DTYPES, SCHEDULERS, JobError
 
@@ -31,30 +32,38 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from renderfarm.queue import make_app, queue_name
     from renderfarm.settings import Settings
     from renderfarm.storage import RetryPolicy, open_storage
+    from worker.broker import transport_for
     from worker.engine import Engine, StandInEngine, enable_compilation_cache
+    from worker.executables import ExecutableStore
     from worker.farm import Batcher, Processor, node_name, render_task
     from worker.models import load_model
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     shapes = parse_shapes(args.precompile or "")
     settings = Settings.from_env(broker_url=args.broker)
-    enable_compilation_cache(args.compile_cache)
+    cache = enable_compilation_cache(args.compile_cache)
     model = load_model(args.model, args.dtype)
-    engine = (Engine(model, per_device_batch=args.per_device_batch) if args.stand_in is None
+    engine = (Engine(model, per_device_batch=args.per_device_batch,
+                     executables=ExecutableStore(cache / "executables")) if args.stand_in is None
               else StandInEngine(model, args.stand_in, per_device_batch=args.per_device_batch))
+    log = logging.getLogger("renderfarm.worker")
     for width, height, steps, scheduler in shapes:
-        engine.compiled(engine.check(JobSpec(prompt="-", model=model.ref, seed=0, steps=steps, width=width,
-                                             height=height, scheduler=scheduler, dtype=args.dtype)))
+        started = time.perf_counter()
+        key = engine.check(JobSpec(prompt="-", model=model.ref, seed=0, steps=steps, width=width,
+                                   height=height, scheduler=scheduler, dtype=args.dtype))
+        engine.compiled(key)
+        log.info("%s ready in %.1fs", key, time.perf_counter() - started)
     # Outages longer than the default retry window must not fail jobs: keep trying ~5 min.
     storage = open_storage(args.out, retry=RetryPolicy(attempts=14, base_delay=0.5, max_delay=30.0))
     app = make_app(settings)
-    # Unacked: the batch being gathered, the one rendering, those being stored (BatchWriter
-    # keeps at most 2), and the next one already here.
-    app.conf.worker_prefetch_multiplier = 5 * engine.batch_size
+    app.conf.broker_transport = transport_for(settings.broker_url)
+    # Unacked: the batches being gathered (one per shape key on the queue), the one
+    # rendering, those being stored (BatchWriter keeps at most 2), and the next ones.
+    app.conf.worker_prefetch_multiplier = 8 * engine.batch_size
     processor = Processor(engine, storage, Progress.from_url(settings.broker_url), app, settings)
     app.register_task(render_task(Batcher(processor, engine.batch_size, args.max_wait)))
     queue = queue_name(model.ref, model.dtype)
-    logging.getLogger("renderfarm.worker").info(
+    log.info(
         "serving %s (%s) from queue %r in batches of %d on %d %s devices, storing to %s",
         model.ref, model.dtype, queue, engine.batch_size, len(engine.devices),
         engine.devices[0].device_kind, storage.describe())

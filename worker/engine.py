@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 import logging
 import os
 import time
@@ -27,6 +28,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from renderfarm.jobs import JobError, JobSpec
+from worker.executables import ExecutableStore, fingerprint
+from worker.flops import denoise_flops, program_flops, unet_flops
 from worker.generate import GENERATORS, Inputs, Static
 from worker.models import LoadedModel, quiet_diffusers
 
@@ -44,6 +47,17 @@ class ShapeKey:
         return f"{self.width}x{self.height}@{self.steps} {self.scheduler}"
 
 
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """The device batch a job was rendered in, for its sidecar (and for measuring how
+    full batches run)."""
+
+    seq: int  # this engine's batch counter
+    jobs: int  # real jobs in it
+    slots: int  # the compiled batch size (jobs + padding)
+    seconds: float
+
+
 @dataclasses.dataclass
 class Rendered:
     """One finished job: its pixels and what the sidecar must say about how they were made."""
@@ -53,8 +67,7 @@ class Rendered:
     image: np.ndarray  # (H, W, 3) uint8
     key: ShapeKey
     truncated: bool
-    batch_size: int
-    batch_seconds: float
+    batch: Batch
 
 
 def enable_compilation_cache(folder: str | os.PathLike | None = None) -> Path:
@@ -68,6 +81,12 @@ def enable_compilation_cache(folder: str | os.PathLike | None = None) -> Path:
     return path
 
 
+def _as_dict(config: Any) -> dict[str, Any]:
+    """A diffusers (mapping) or transformers (object) config as a plain dict."""
+    return config.to_dict() if hasattr(config, "to_dict") else dict(config)
+
+
+log = logging.getLogger(__name__)
 BATCH, REPLICATED = PartitionSpec("data"), PartitionSpec()
 CACHE_HIT = "/jax/compilation_cache/cache_hits"
 JAX_EVENTS: collections.Counter[str] = collections.Counter()
@@ -83,7 +102,10 @@ def scheduler_classes() -> dict[str, Any]:
     """Scheduler names of the job contract. diffusers' Flax LMS cannot run under jit, so
     "lms" is our own port (worker.schedulers)."""
     from diffusers import (
-        FlaxDDIMScheduler, FlaxDPMSolverMultistepScheduler, FlaxEulerDiscreteScheduler, FlaxPNDMScheduler,
+        FlaxDDIMScheduler,
+        FlaxDPMSolverMultistepScheduler,
+        FlaxEulerDiscreteScheduler,
+        FlaxPNDMScheduler,
     )
 
     from worker.schedulers import LMSScheduler
@@ -102,16 +124,19 @@ class InFlight:
     images: Any  # jax.Array (B, H, W, 3) uint8, still computing
     truncated: list[bool]
     started: float
+    seq: int
 
     def ready(self) -> bool:
-        return not isinstance(self.images, jax.Array) or self.images.is_ready()
+        is_ready = getattr(self.images, "is_ready", None)  # jax.Array, or a stand-in's _Pending
+        return is_ready is None or is_ready()
 
 
 class Engine:
     """Renders lists of job specs on all local devices, in job order."""
 
     def __init__(self, model: LoadedModel, per_device_batch: int = 1,
-                 devices: Sequence[jax.Device] | None = None) -> None:
+                 devices: Sequence[jax.Device] | None = None,
+                 executables: ExecutableStore | None = None) -> None:
         if per_device_batch < 1:
             raise JobError("per_device_batch", per_device_batch, "must be at least 1")
         self.model = model
@@ -128,6 +153,9 @@ class Engine:
         logging.getLogger("transformers.tokenization_utils_base").setLevel(logging.ERROR)
         self._schedulers: dict[str, tuple[Any, Any]] = {}
         self._compiled: dict[ShapeKey, Any] = {}
+        self.executables = executables
+        self._batches = itertools.count()
+        self._flops: dict[ShapeKey, float | None] = {}
         self.compile_seconds = 0.0
         self.cache_hits = 0  # programs found in the persistent compilation cache
         _count_jax_events()
@@ -174,8 +202,13 @@ class Engine:
                       spec((self.batch_size, 2), jnp.uint32), spec((self.batch_size,), jnp.float32))
 
     def compiled(self, key: ShapeKey) -> Any:
-        """The executable for a shape key, compiled once per process (and found in JAX's
-        persistent cache by the next process)."""
+        """The executable for a shape key, once per process: a saved one if there is one
+        (worker.executables), else compiled (XLA's part maybe from JAX's persistent cache)."""
+        if key not in self._compiled and self.executables is not None:
+            saved = self.executables.load(self._program_name(key), self.devices)
+            if saved is not None:
+                log.info("%s: saved executable loaded", key)
+                self._compiled[key], self._flops[key] = saved[0], saved[1]["flops"]
         if key not in self._compiled:
             scheduler, state = self._scheduler(key.scheduler)
             fn = partial(GENERATORS[self.model.family], self.model.pipe, scheduler,
@@ -188,8 +221,39 @@ class Engine:
             with quiet_diffusers():
                 self._compiled[key] = jax.jit(fn).lower(self._params, state, self._abstract_inputs()).compile()
             self.compile_seconds += time.perf_counter() - start
-            self.cache_hits += JAX_EVENTS[CACHE_HIT] - hits
+            from_cache = JAX_EVENTS[CACHE_HIT] - hits
+            self.cache_hits += from_cache
+            self._flops[key] = self._count_flops(key, self._compiled[key])
+            # Only fresh compiles are saved: a program that XLA's CPU backend took from JAX's
+            # persistent cache serializes without its code (measured: "Function ... not
+            # found" when the copy runs).
+            if self.executables is not None and not from_cache:
+                self.executables.save(self._program_name(key), self._compiled[key], {"flops": self._flops[key]})
         return self._compiled[key]
+
+    def _program_name(self, key: ShapeKey) -> str:
+        """Everything the compiled program for `key` depends on (see worker.executables)."""
+        pipe = self.model.pipe
+        configs = {name: _as_dict(getattr(pipe, name).config) for name in
+                   ("unet", "vae", "text_encoder", "text_encoder_2", "scheduler") if getattr(pipe, name, None)}
+        return fingerprint(family=self.model.family, dtype=self.model.dtype, configs=configs,
+                           key=dataclasses.astuple(key), batch_size=self.batch_size,
+                           devices=[(d.platform, d.device_kind, d.id) for d in self.devices])
+
+    def _count_flops(self, key: ShapeKey, compiled: Any) -> float | None:
+        """XLA counts the per-device program, its denoising loop once: add the other steps'
+        UNet calls (batch 2 per job: classifier-free guidance), then all devices."""
+        f, per_device = self.model.vae_scale_factor, self.batch_size // len(self.devices)
+        with quiet_diffusers():
+            step = unet_flops(self.model.pipe.unet, self._params["unet"], 2 * per_device,
+                              key.height // f, key.width // f)
+        per_device_flops = denoise_flops(program_flops(compiled), step, key.steps)
+        return None if per_device_flops is None else per_device_flops * len(self.devices)
+
+    def flops(self, key: ShapeKey) -> float | None:
+        """FLOPs of one batch of `key` on all devices, from XLA's count of the compiled
+        program; None before it is compiled or where the backend counts nothing."""
+        return self._flops.get(key)
 
     # -- rendering -------------------------------------------------------------------
 
@@ -239,13 +303,14 @@ class Engine:
     def start(self, specs: Sequence[JobSpec], key: ShapeKey, idx: list[int]) -> InFlight:
         """Start the batch `specs[i] for i in idx` on the devices and return at once."""
         images, truncated = self.dispatch(key, [specs[i] for i in idx])
-        return InFlight([specs[i] for i in idx], idx, key, images, truncated, time.perf_counter())
+        return InFlight([specs[i] for i in idx], idx, key, images, truncated, time.perf_counter(),
+                        next(self._batches))
 
     def collect(self, batch: InFlight) -> list[Rendered]:
         """Wait for a started batch; its jobs' images, padding dropped."""
         pixels = np.asarray(batch.images)
-        seconds = time.perf_counter() - batch.started
-        return [Rendered(i, spec, pixels[n], batch.key, batch.truncated[n], self.batch_size, seconds)
+        info = Batch(batch.seq, len(batch.specs), self.batch_size, time.perf_counter() - batch.started)
+        return [Rendered(i, spec, pixels[n], batch.key, batch.truncated[n], info)
                 for n, (i, spec) in enumerate(zip(batch.indices, batch.specs))]
 
     def iter_render(self, specs: Sequence[JobSpec],
@@ -267,19 +332,36 @@ class Engine:
         return sorted(done, key=lambda r: r.index)
 
 
+class _Pending:
+    """Blank images that a stand-in device finishes at `ready_at` (time.monotonic()):
+    like a jax.Array being computed, it blocks only when its pixels are read."""
+
+    def __init__(self, shape: tuple[int, ...], ready_at: float) -> None:
+        self.shape, self.ready_at = shape, ready_at
+
+    def is_ready(self) -> bool:
+        return time.monotonic() >= self.ready_at
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        time.sleep(max(0.0, self.ready_at - time.monotonic()))
+        return np.zeros(self.shape, dtype or np.uint8)
+
+
 class StandInEngine(Engine):
     """Benchmarks the control plane: the engine's validation, batching and output, but a
-    batch "renders" by sleeping a fixed time (an accelerator that is never slow to answer)
-    and gives blank images."""
+    batch "renders" in a fixed time on a device that does one batch after another (an
+    accelerator that is never slow to answer); dispatch returns at once, as JAX's does,
+    and the images are blank."""
 
     def __init__(self, model: LoadedModel, seconds_per_batch: float, per_device_batch: int = 1,
                  devices: Sequence[jax.Device] | None = None) -> None:
         super().__init__(model, per_device_batch, devices)
         self.seconds_per_batch = seconds_per_batch
+        self._busy_until = 0.0  # when the stand-in device finishes its last batch
 
     def compiled(self, key: ShapeKey) -> None:
         return None
 
-    def dispatch(self, key: ShapeKey, jobs: list[JobSpec]) -> tuple[np.ndarray, list[bool]]:
-        time.sleep(self.seconds_per_batch)
-        return np.zeros((self.batch_size, key.height, key.width, 3), np.uint8), [False] * len(jobs)
+    def dispatch(self, key: ShapeKey, jobs: list[JobSpec]) -> tuple[_Pending, list[bool]]:
+        self._busy_until = max(time.monotonic(), self._busy_until) + self.seconds_per_batch
+        return _Pending((self.batch_size, key.height, key.width, 3), self._busy_until), [False] * len(jobs)

@@ -17,6 +17,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from celery import Celery, Task
@@ -24,15 +25,20 @@ from celery.exceptions import InvalidTaskError
 from celery.worker.request import Request, create_request_cls
 from celery.worker.state import task_accepted, task_ready, task_reserved
 
+from renderfarm.gallery import Refresher
 from renderfarm.jobs import JobError, JobSpec, parse_job
 from renderfarm.progress import Progress
 from renderfarm.queue import TASK_NAME
 from renderfarm.settings import Settings
 from renderfarm.storage import Storage, manifest_name, sidecar_name
-from worker.engine import Engine, InFlight, Rendered
+from worker.engine import Engine, InFlight, Rendered, ShapeKey
+from worker.flops import describe_rate
 from worker.output import BatchWriter
 
 log = logging.getLogger("renderfarm.worker")
+
+
+GALLERY_QUIET = 2.0  # seconds without a stored batch before galleries are brought up to date
 
 
 class JobFailed(Exception):
@@ -45,6 +51,7 @@ class Job:
     def __init__(self, request: Request) -> None:
         self.request = request
         self.spec: JobSpec | None = None
+        self.invalid = ""  # why the job is not valid here, if it is not
         self.attempt = 0
         self.started = time.time()
 
@@ -69,6 +76,14 @@ class Processor:
                                   on_stored=self._stored, on_failed=self._store_failed)
         self._jobs: dict[str, list[Job]] = {}  # job id -> its requests being stored
         self._inflight: tuple[InFlight, list[Job]] | None = None
+        # Galleries are rebuilt on their own thread (a refresh reads the whole manifest):
+        # throttled while a campaign runs, and once more when the worker has had nothing
+        # to do for GALLERY_QUIET seconds.
+        self.gallery = Refresher(storage)
+        self._gallery_thread = ThreadPoolExecutor(1, thread_name_prefix="gallery")
+        self._gallery_stale = False
+        self._last_stored = time.monotonic()
+        self._rate = RateLog(engine)
 
     # -- outcomes ------------------------------------------------------------------
 
@@ -100,6 +115,8 @@ class Processor:
         job.request.reject(requeue=True)
 
     def _stored(self, records: list[dict[str, Any]]) -> None:
+        self._gallery_thread.submit(self.gallery.stored, {record["spec"]["campaign"] for record in records})
+        self._gallery_stale, self._last_stored = True, time.monotonic()
         done = []
         for record in records:
             job = self._take(record["job_id"])
@@ -122,18 +139,24 @@ class Processor:
 
     # -- the batch -----------------------------------------------------------------
 
+    def classify(self, job: Job) -> ShapeKey | None:
+        """Validate a job as it arrives; its shape key is the batch it can join (None: not
+        valid here, failed with the reason when its batch runs)."""
+        try:
+            if job.request.args:
+                raise JobError("args", job.request.args, "a job has keyword fields only")
+            job.spec = parse_job(job.request.kwargs, size_step=self.engine.model.size_step)
+            return self.engine.check(job.spec)
+        except JobError as err:
+            job.spec, job.invalid = None, f"invalid job: {err}"
+            return None
+
     def _admit(self, jobs: list[Job]) -> list[Job]:
-        """Validate each job; fail the bad ones, skip cancelled ones; mark the rest started."""
-        admitted, cancelled = [], self.progress.cancelled_among({j.request.kwargs.get("campaign", "")
-                                                                  for j in jobs if isinstance(j.request.kwargs, dict)})
+        """Fail the invalid jobs, skip cancelled ones; mark the rest started."""
+        admitted, cancelled = [], self.progress.cancelled_among({j.campaign for j in jobs if j.spec})
         for job in jobs:
-            try:
-                job.spec = parse_job(job.request.kwargs, size_step=self.engine.model.size_step)
-                if job.request.args:
-                    raise JobError("args", job.request.args, "a job has keyword fields only")
-                self.engine.check(job.spec)
-            except JobError as err:
-                self._fail(job, f"invalid job: {err}")
+            if job.spec is None:
+                self._fail(job, job.invalid)
                 continue
             if job.campaign in cancelled:
                 self.progress.skipped(job.campaign, job.spec.job_id)
@@ -167,14 +190,14 @@ class Processor:
         self._succeed([(job, {"job_id": job.spec.job_id, "png_sha256": record["png_sha256"],
                               "url": self.storage.url(name), "already_stored": True})])
 
-    def process(self, requests: list[Request]) -> None:
+    def process(self, jobs: list[Job]) -> None:
         """Start the batch on the devices and hand the previous one, now rendered, to the
         writer: the devices work while the consumer gathers the next batch."""
-        jobs = self._admit([Job(r) for r in requests])
+        jobs = self._admit(jobs)
         if not jobs:
             return
         specs = [j.spec for j in jobs if j.spec is not None]
-        for key, idx in self.engine.plan(specs):  # every job passed engine.check in _admit
+        for key, idx in self.engine.plan(specs):  # one key when the Batcher grouped them
             batch = [jobs[i] for i in idx]
             try:
                 started = self.engine.start(specs, key, idx)
@@ -194,6 +217,7 @@ class Processor:
         except Exception:  # noqa: BLE001
             self._one_by_one(batch)
             return
+        self._rate.add(started.key, len(rendered))
         self._hand_over(rendered, batch)
 
     def _one_by_one(self, jobs: list[Job]) -> None:
@@ -216,40 +240,110 @@ class Processor:
         if self._inflight is not None and self._inflight[0].ready():
             self._finish_inflight()
         self.writer.poll()
+        if (self._gallery_stale and self._inflight is None and self.writer.idle
+                and time.monotonic() - self._last_stored > GALLERY_QUIET):
+            self._gallery_stale = False
+            self._gallery_thread.submit(self.gallery.flush)
+
+
+class RateLog:
+    """Every `interval` seconds, one log line of what the devices achieved: images/s and
+    FLOP/s with its fraction of the devices' peak, so an operator on real hardware sees
+    how far from the ceiling the worker runs (docs/performance.md)."""
+
+    def __init__(self, engine: Engine, interval: float = 30.0) -> None:
+        self.engine, self.interval = engine, interval
+        self._since, self._images, self._flops = time.monotonic(), 0, 0.0
+
+    def add(self, key: ShapeKey, images: int) -> None:
+        flops = self.engine.flops(key)
+        self._images += images
+        self._flops = self._flops + flops if flops is not None and self._flops is not None else None
+        seconds = time.monotonic() - self._since
+        if seconds >= self.interval:
+            devices = self.engine.devices
+            log.info("%d images in %.0fs: %.2f images/s, %s", self._images, seconds, self._images / seconds,
+                     describe_rate(self._flops, seconds, devices[0].device_kind, len(devices)))
+            self._since, self._images, self._flops = time.monotonic(), 0, 0.0
+
+
+class Gatherer:
+    """Jobs waiting for their batch, by shape key, so batches run full even when shapes
+    interleave on the queue. A key's batch runs when it is full, when its first job has
+    waited `max_wait` seconds of the worker's free time (time spent waiting for the
+    devices does not count: no message can arrive then), or when `patience` batches of
+    other keys have run since that job came, so no shape starves behind busier ones."""
+
+    def __init__(self, processor: Processor, batch_size: int, max_wait: float, patience: int) -> None:
+        self.processor, self.batch_size, self.max_wait, self.patience = processor, batch_size, max_wait, patience
+        self.buffers: dict[ShapeKey | None, list[Job]] = {}
+        self.deadlines: dict[ShapeKey | None, float] = {}
+        self.since: dict[ShapeKey | None, int] = {}  # batches run when the key's first job came
+        self.ran = 0
+
+    def add(self, job: Job) -> None:
+        key = self.processor.classify(job)
+        if key not in self.buffers:
+            self.buffers[key], self.since[key] = [], self.ran
+            self.deadlines[key] = time.monotonic() + self.max_wait
+        self.buffers[key].append(job)
+        if key is None or len(self.buffers[key]) >= self.batch_size:
+            self.flush(key)  # an invalid job is failed at once, on its own
+
+    def flush_due(self) -> None:
+        now = time.monotonic()
+        for key in [k for k, deadline in self.deadlines.items() if deadline <= now]:
+            if key in self.buffers:
+                self.flush(key)
+
+    def flush(self, key: ShapeKey | None) -> None:
+        batch = self.buffers.pop(key)
+        del self.deadlines[key], self.since[key]
+        self.ran += 1
+        started = time.monotonic()
+        try:
+            self.processor.process(batch)
+        except Exception:  # noqa: BLE001 - the worker must keep serving; jobs go back
+            log.exception("batch of %d failed outside any job; requeued", len(batch))
+            for job in batch:
+                if not job.request.acknowledged:
+                    task_ready(job.request)
+                    job.request.reject(requeue=True)
+        blocked = time.monotonic() - started
+        for other in self.deadlines:
+            self.deadlines[other] += blocked
+        for other in [k for k, since in self.since.items() if self.ran - since >= self.patience]:
+            if other in self.buffers:
+                self.flush(other)
 
 
 class Batcher:
-    """The Celery strategy of the render task: buffer requests, flush full or late batches."""
+    """The Celery strategy of the render task: each request becomes a Job in a Gatherer."""
 
-    def __init__(self, processor: Processor, batch_size: int, max_wait: float) -> None:
+    def __init__(self, processor: Processor, batch_size: int, max_wait: float, patience: int = 4) -> None:
         self.processor, self.batch_size, self.max_wait = processor, batch_size, max_wait
+        self.patience = patience
 
     def __call__(self, task: Task, app: Celery, consumer: Any) -> Callable[..., None]:
-        # Built anew on every (re)connection: nothing of the old connection's buffer or timer
-        # survives, so a reconnect can never leave a flush that will not come. Messages that
-        # were buffered then are unacked and come back after the visibility timeout.
+        # Built anew on every (re)connection: nothing of the old connection's buffers
+        # survives, so a reconnect can never leave a flush that will not come. Messages
+        # buffered then are unacked and come back after the visibility timeout.
         Req = create_request_cls(Request, task, consumer.pool, consumer.hostname,
                                  consumer.event_dispatcher, app=app)
-        buffer: list[Request] = []
-        timer: list[Any] = []
-        consumer.timer.call_repeatedly(0.05, self.processor.poll)
+        gatherer = Gatherer(self.processor, self.batch_size, self.max_wait, self.patience)
+        # Celery publishes buffered task events on the next loop tick, which is one message
+        # per received job; here they go out together, once per poll.
+        events, buffered = consumer.event_dispatcher, []
+        events.on_send_buffered = lambda: buffered.append(True)
 
-        def flush() -> None:
-            for entry in timer:
-                entry.cancel()
-            timer.clear()
-            batch = buffer[:]
-            buffer.clear()
-            if not batch:
-                return
-            try:
-                self.processor.process(batch)
-            except Exception:  # noqa: BLE001 - the worker must keep serving; jobs go back
-                log.exception("batch of %d failed outside any job; requeued", len(batch))
-                for req in batch:
-                    if not req.acknowledged:
-                        task_ready(req)
-                        req.reject(requeue=True)
+        def poll() -> None:
+            self.processor.poll()
+            gatherer.flush_due()
+            if buffered:
+                buffered.clear()
+                events.flush()
+
+        consumer.timer.call_repeatedly(0.05, poll)
 
         def handler(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any, **_: Any) -> None:
             try:
@@ -262,11 +356,7 @@ class Batcher:
             req.send_event("task-received", name=req.name, args=req.argsrepr, kwargs=req.kwargsrepr,
                            root_id=req.root_id, parent_id=req.parent_id, retries=0, eta=None, expires=None)
             task_reserved(req)
-            buffer.append(req)
-            if len(buffer) >= self.batch_size:
-                flush()
-            elif not timer:
-                timer.append(consumer.timer.call_after(self.max_wait, flush))
+            gatherer.add(Job(req))
 
         return handler
 

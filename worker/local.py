@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
+from renderfarm.gallery import refresh as refresh_gallery
 from renderfarm.jobs import JobSpec
 from renderfarm.storage import Storage
 from worker.engine import Engine
@@ -22,6 +23,7 @@ class RenderReport:
     compile_seconds: float
     programs: int  # compiled for this run
     cache_hits: int  # of those, found in the persistent compilation cache
+    loaded: int  # of those, saved executables loaded without tracing or compiling
     render_seconds: float  # after compile: rendering, encoding and storing
 
     @property
@@ -31,19 +33,26 @@ class RenderReport:
 
 def render_to_storage(specs: Sequence[JobSpec], engine: Engine, storage: Storage,
                       progress: bool = True) -> RenderReport:
-    """Compile every needed shape first (so the rate excludes it), then render and store."""
+    """Compile every needed shape first (so the rate excludes it), then render and store;
+    each campaign's gallery is rebuilt at the end."""
     compile_before, hits_before = engine.compile_seconds, engine.cache_hits
+    loaded_before = engine.executables.loaded if engine.executables else 0
     plan = engine.prepare(specs)
     start = time.perf_counter()
     with tqdm(total=len(specs), unit="img", disable=not progress, file=sys.stderr) as bar, \
             BatchWriter(storage, engine.model, engine.devices, on_stored=lambda r: bar.update(len(r))) as writer:
         for batch in engine.iter_render(specs, plan):
             writer.submit(batch)
+    render_seconds = time.perf_counter() - start
+    campaigns = sorted({s.campaign for s in specs})
+    for campaign in campaigns:
+        refresh_gallery(storage, campaign)
     return RenderReport(
         images=len(specs),
-        campaigns=sorted({s.campaign for s in specs}),
+        campaigns=campaigns,
         compile_seconds=engine.compile_seconds - compile_before,
         programs=len({key for key, _ in plan}),
         cache_hits=engine.cache_hits - hits_before,
-        render_seconds=time.perf_counter() - start,
+        loaded=(engine.executables.loaded if engine.executables else 0) - loaded_before,
+        render_seconds=render_seconds,
     )

@@ -21,6 +21,7 @@ from typing import Any
 import jax
 from PIL import Image, PngImagePlugin
 
+from renderfarm.gallery import store_thumbnail
 from renderfarm.storage import Storage, image_name, manifest_name, sidecar_name
 from worker.engine import Rendered
 from worker.models import LoadedModel
@@ -39,12 +40,12 @@ def library_versions() -> dict[str, str]:
     return versions
 
 
-def encode_png(result: Rendered) -> bytes:
+def encode_png(result: Rendered, image: Image.Image | None = None) -> bytes:
     """Deterministic PNG: same job, same pixels, same bytes."""
     info = PngImagePlugin.PngInfo()
     info.add_text("renderfarm", json.dumps({"job_id": result.spec.job_id, **result.spec.to_dict()}))
     buffer = io.BytesIO()
-    Image.fromarray(result.image).save(buffer, format="PNG", pnginfo=info)
+    (image or Image.fromarray(result.image)).save(buffer, format="PNG", pnginfo=info)
     return buffer.getvalue()
 
 
@@ -63,20 +64,23 @@ def sidecar(result: Rendered, model: LoadedModel, png: bytes, devices: list[jax.
         "png_sha256": hashlib.sha256(png).hexdigest(),
         "worker": {"host": socket.gethostname(), "pid": os.getpid(), "device_kind": devices[0].device_kind,
                    "device_count": len(devices)},
-        "batch_size": result.batch_size,
-        "timings": {"batch_seconds": round(result.batch_seconds, 4)},
+        "batch": {"seq": result.batch.seq, "jobs": result.batch.jobs, "slots": result.batch.slots},
+        "timings": {"batch_seconds": round(result.batch.seconds, 4)},
         "versions": library_versions(),
     }
 
 
 def store_result(storage: Storage, result: Rendered, model: LoadedModel,
                  devices: list[jax.Device]) -> dict[str, Any]:
-    """Store one job's PNG, then its sidecar (so a sidecar always has its image)."""
-    png = encode_png(result)
+    """Store one job's PNG and gallery thumbnail, then its sidecar (so a sidecar always
+    has its image)."""
+    image = Image.fromarray(result.image)
+    png = encode_png(result, image)
     record = sidecar(result, model, png, devices)
     campaign, job_id = result.spec.campaign, result.spec.job_id
     storage.put(image_name(campaign, job_id), png, "image/png")
-    storage.put(sidecar_name(campaign, job_id), json.dumps(record, indent=1).encode(), "application/json")
+    store_thumbnail(storage, campaign, job_id, image)
+    storage.put(sidecar_name(campaign, job_id), json.dumps(record).encode(), "application/json")
     return record
 
 
@@ -126,6 +130,11 @@ class BatchWriter:
             if self.on_failed is None:
                 raise err
             self.on_failed(result, err)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing submitted is still waiting to be stored."""
+        return not self._pending
 
     def flush(self) -> None:
         """Wait for every submitted batch to be stored."""

@@ -20,7 +20,12 @@ import numpy as np
 import transformers
 from diffusers.utils import logging as diffusers_logging
 from flax.traverse_util import flatten_dict, unflatten_dict
-from transformers import CLIPTextConfig, CLIPTokenizer, FlaxCLIPTextModel, FlaxCLIPTextModelWithProjection
+from transformers import (
+    CLIPTextConfig,
+    CLIPTokenizer,
+    FlaxCLIPTextModel,
+    FlaxCLIPTextModelWithProjection,
+)
 from transformers.models.clip.tokenization_clip import bytes_to_unicode
 
 

@@ -1,0 +1,323 @@
+"""Per-campaign gallery next to the images: thumbnails, a static index.html and a contact sheet.
+
+Shared by the worker (which stores a thumbnail with each result and refreshes the gallery
+now and then) and the `renderfarm gallery` command, so no JAX and no producer imports here.
+The page links with relative paths only, so a campaign folder works the same copied to a
+laptop, opened from local storage, or served as a bucket website.
+
+Scale: the worker writes one small JPEG per image when it stores the image, so a refresh
+never decodes full-size PNGs; it reads the manifest once and fetches only the thumbnails of
+the contact sheet. The page lists the newest ``limit`` images and states the total.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import datetime
+import html
+import io
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from PIL import Image
+
+from renderfarm.jobs import JobError, check_campaign
+from renderfarm.storage import (
+    Storage,
+    image_name,
+    index_name,
+    manifest_name,
+    open_storage,
+    preview_name,
+    thumbnail_name,
+    validate_job_id,
+)
+
+log = logging.getLogger(__name__)
+
+THUMB_SIZE = 128  # px, longest side
+DEFAULT_LIMIT = 500  # images listed on index.html
+DEFAULT_TILES = 64  # thumbnails on preview.png (8 x 8)
+TILE_GAP = 4  # px between contact sheet tiles
+EAGER_IMAGES = 64  # the first screenfuls load at once, the rest lazily
+FETCH_THREADS = 8
+
+
+# --------------------------------------------------------------------------- manifest
+
+
+class Manifest:
+    """A campaign's finished jobs, read from its manifest.jsonl.
+
+    Each job id comes out once (a redelivered job appends its line again; the first wins)
+    and lines that are not a job record are skipped with a warning and counted, so one bad
+    line never hides the good ones. The manifest is fetched whole (the Storage API has no
+    ranged reads) but parsed one line at a time.
+    """
+
+    def __init__(self, storage: Storage, campaign: str, data: bytes) -> None:
+        self.storage, self.campaign, self._data = storage, campaign, data
+        self.lines = data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0)
+        self.duplicates = 0
+        self.bad_lines: list[int] = []
+
+    @classmethod
+    def open(cls, storage: Storage, campaign: str) -> Manifest:
+        """The campaign's manifest; a clear error naming campaign and URL if there is none."""
+        name = manifest_name(check_campaign(campaign))
+        try:
+            data = storage.get(name)
+        except FileNotFoundError:
+            raise JobError("campaign", campaign,
+                           f"no such campaign: {storage.url(name)} does not exist "
+                           f"(no finished jobs under {storage.describe()})") from None
+        return cls(storage, campaign, data)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        seen: set[str] = set()
+        self.duplicates, self.bad_lines = 0, []
+        for number, line in enumerate(io.BytesIO(self._data), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                job_id = validate_job_id(record["job_id"])
+            except (ValueError, KeyError, TypeError) as err:
+                log.warning("%s line %d skipped: %s", self.storage.url(manifest_name(self.campaign)), number, err)
+                self.bad_lines.append(number)
+                continue
+            if job_id in seen:
+                self.duplicates += 1
+                continue
+            seen.add(job_id)
+            yield record
+
+
+# --------------------------------------------------------------------------- thumbnails
+
+
+def make_thumbnail(image: bytes | Image.Image, size: int = THUMB_SIZE) -> bytes:
+    """A JPEG no larger than ``size`` px on its longest side (a few kB at 128 px), from a
+    stored PNG or, in the worker, from the image before it was encoded."""
+    if isinstance(image, bytes):
+        with Image.open(io.BytesIO(image)) as decoded:
+            thumb = decoded.convert("RGB")
+    else:
+        thumb = image.convert("RGB")
+    thumb.thumbnail((size, size), Image.Resampling.LANCZOS)
+    out = io.BytesIO()
+    thumb.save(out, format="JPEG", quality=85)
+    return out.getvalue()
+
+
+def store_thumbnail(storage: Storage, campaign: str, job_id: str, image: bytes | Image.Image) -> str:
+    """Store the gallery thumbnail of one stored image; returns its storage name.
+
+    The worker calls this right after storing a result (before its manifest line), so every
+    job a refresh sees already has its thumbnail.
+    """
+    name = thumbnail_name(campaign, job_id)
+    storage.put(name, make_thumbnail(image), "image/jpeg")
+    return name
+
+
+def _thumbnail(storage: Storage, campaign: str, job_id: str) -> bytes:
+    """The stored thumbnail, made from the PNG (and stored) if it is missing."""
+    try:
+        return storage.get(thumbnail_name(campaign, job_id))
+    except FileNotFoundError:
+        thumb = make_thumbnail(storage.get(image_name(campaign, job_id)))
+        storage.put(thumbnail_name(campaign, job_id), thumb, "image/jpeg")
+        return thumb
+
+
+def _ensure_thumbnail(storage: Storage, campaign: str, job_id: str) -> bool:
+    """Make the thumbnail if it is missing; True if one was made."""
+    if storage.exists(thumbnail_name(campaign, job_id)):
+        return False
+    store_thumbnail(storage, campaign, job_id, storage.get(image_name(campaign, job_id)))
+    return True
+
+
+# --------------------------------------------------------------------------- contact sheet
+
+
+def grid_shape(tiles: int) -> tuple[int, int]:
+    """(columns, rows) of a contact sheet: as square as possible, never an empty row."""
+    columns = max(1, math.ceil(math.sqrt(tiles)))
+    return columns, max(1, math.ceil(tiles / columns))
+
+
+def contact_sheet(thumbs: list[bytes], tile: int = THUMB_SIZE, gap: int = TILE_GAP) -> bytes:
+    """A PNG grid of thumbnails, newest first, each centred in a ``tile`` px square."""
+    columns, rows = grid_shape(len(thumbs))
+    sheet = Image.new("RGB", (columns * (tile + gap) + gap, rows * (tile + gap) + gap), (32, 32, 32))
+    for i, data in enumerate(thumbs):
+        with Image.open(io.BytesIO(data)) as thumb:
+            thumb = thumb.convert("RGB")
+            thumb.thumbnail((tile, tile))
+            x = gap + (i % columns) * (tile + gap) + (tile - thumb.width) // 2
+            y = gap + (i // columns) * (tile + gap) + (tile - thumb.height) // 2
+            sheet.paste(thumb, (x, y))
+    out = io.BytesIO()
+    sheet.save(out, format="PNG", optimize=True)
+    return out.getvalue()
+
+
+# --------------------------------------------------------------------------- index.html
+
+_STYLE = """
+body{font:14px system-ui,sans-serif;margin:16px;background:#111;color:#ddd}
+a{color:#8cf}h1{font-size:20px;margin:0 0 4px}
+.grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(160px,1fr));gap:12px;margin-top:12px}
+figure{margin:0;background:#1c1c1c;padding:8px;border-radius:4px}
+figure img{display:block;width:128px;height:128px;object-fit:contain;margin:0 auto}
+figcaption{margin-top:6px;font-size:12px;overflow-wrap:anywhere}
+.prompt{display:-webkit-box;-webkit-line-clamp:3;-webkit-box-orient:vertical;overflow:hidden}
+.meta{color:#999}
+"""
+
+
+def _figure(record: dict[str, Any], eager: bool) -> str:
+    spec = record.get("spec") if isinstance(record.get("spec"), dict) else {}
+    job_id = record["job_id"]  # validated hex: safe in a URL and in HTML
+    prompt = html.escape(str(spec.get("prompt", "")), quote=True)
+    seed = html.escape(str(spec.get("seed", "?")))
+    size = html.escape(f"{record.get('width', '?')}x{record.get('height', '?')}")
+    loading = "" if eager else ' loading="lazy"'
+    return (f'<figure id="{job_id}"><a href="{job_id}.png">'
+            f'<img src="thumbs/{job_id}.jpg" alt="{prompt}" title="{prompt}"{loading}></a>'
+            f'<figcaption><span class="prompt">{prompt}</span>'
+            f'<span class="meta">seed {seed} · {size} · <a href="{job_id}.json">sidecar</a></span>'
+            f'</figcaption></figure>')
+
+
+def render_index(campaign: str, records: list[dict[str, Any]], total: int) -> str:
+    """The gallery page for ``records`` (newest first) out of ``total`` images."""
+    name = html.escape(check_campaign(campaign))
+    shown = (f"showing the newest {len(records):,}" if len(records) < total else "all shown")
+    updated = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    figures = "\n".join(_figure(r, i < EAGER_IMAGES) for i, r in enumerate(records))
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8">
+<meta http-equiv="Content-Security-Policy" content="default-src 'none'; img-src 'self' file: https: http:; style-src 'unsafe-inline'">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{name}: renderfarm gallery</title>
+<style>{_STYLE}</style></head>
+<body><h1>{name}</h1>
+<p class="summary"><span id="total">{total:,} images</span>; {shown}. Updated {updated}.
+<a href="preview.png">contact sheet</a> · <a href="manifest.jsonl">manifest</a></p>
+<main class="grid">
+{figures}
+</main></body></html>
+"""
+
+
+# --------------------------------------------------------------------------- refresh
+
+
+@dataclasses.dataclass
+class Gallery:
+    """What a refresh wrote."""
+
+    campaign: str
+    total: int  # distinct finished jobs in the manifest
+    shown: int  # on index.html
+    tiles: int  # on preview.png
+    thumbnails_made: int
+    index_url: str
+    preview_url: str
+
+    def summary(self) -> str:
+        made = f"; made {self.thumbnails_made} missing thumbnails" if self.thumbnails_made else ""
+        return (f"gallery of {self.campaign}: {self.index_url} ({self.shown} of {self.total} images), "
+                f"contact sheet {self.preview_url} ({self.tiles} tiles){made}")
+
+
+def refresh(storage: Storage, campaign: str, *, limit: int = DEFAULT_LIMIT, tiles: int = DEFAULT_TILES,
+            make_thumbnails: bool = False) -> Gallery:
+    """Rebuild CAMPAIGN/index.html (newest ``limit`` images) and CAMPAIGN/preview.png (newest
+    ``tiles``) from the manifest. Thumbnails the contact sheet needs are made from the PNGs if
+    missing; ``make_thumbnails`` also checks every listed image (one request each: the
+    `renderfarm gallery` command does it, the worker's periodic refresh does not need to)."""
+    for field, value in (("limit", limit), ("tiles", tiles)):
+        if value < 1:
+            raise JobError(field, value, "must be >= 1")
+    manifest = Manifest.open(storage, campaign)
+    newest: collections.deque[dict[str, Any]] = collections.deque(maxlen=limit)
+    total = 0
+    for record in manifest:
+        newest.append(record)
+        total += 1
+    shown = list(reversed(newest))
+    ids = [r["job_id"] for r in shown]
+    made = 0
+    with ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="gallery") as pool:
+        if make_thumbnails:
+            made = sum(pool.map(lambda job_id: _ensure_thumbnail(storage, campaign, job_id), ids))
+        thumbs = list(pool.map(lambda job_id: _thumbnail(storage, campaign, job_id), ids[:tiles]))
+    storage.put(preview_name(campaign), contact_sheet(thumbs), "image/png")
+    storage.put(index_name(campaign), render_index(campaign, shown, total).encode("utf-8"),
+                "text/html; charset=utf-8")
+    return Gallery(campaign, total, len(shown), len(thumbs), made,
+                   storage.url(index_name(campaign)), storage.url(preview_name(campaign)))
+
+
+class Refresher:
+    """Keeps galleries fresh without a rebuild per batch: call :meth:`stored` with the
+    campaigns of each stored batch (a campaign is refreshed at once the first time, then at
+    most every ``interval`` seconds) and :meth:`flush` when the queue drains or the worker
+    stops. A failed refresh is logged, never raised: a gallery must not fail renders."""
+
+    def __init__(self, storage: Storage, interval: float = 30.0, limit: int = DEFAULT_LIMIT,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.storage, self.interval, self.limit, self.clock = storage, interval, limit, clock
+        self._last: dict[str, float] = {}
+        self._stale: set[str] = set()
+
+    def stored(self, campaigns: Iterable[str]) -> None:
+        self._stale.update(campaigns)
+        now = self.clock()
+        for campaign in sorted(self._stale):
+            last = self._last.get(campaign)
+            if last is None or now - last >= self.interval:
+                self._refresh(campaign)
+
+    def flush(self) -> None:
+        for campaign in sorted(self._stale):
+            self._refresh(campaign)
+
+    def _refresh(self, campaign: str) -> None:
+        self._stale.discard(campaign)
+        self._last[campaign] = self.clock()
+        try:
+            refresh(self.storage, campaign, limit=self.limit)
+        except Exception:  # noqa: BLE001 - logged; the next refresh retries
+            log.warning("gallery refresh of %s failed", campaign, exc_info=True)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def cmd_gallery(args: argparse.Namespace) -> int:
+    gallery = refresh(open_storage(args.source), args.campaign, limit=args.limit, tiles=args.tiles,
+                      make_thumbnails=True)
+    print(gallery.summary())
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("gallery", help="rebuild a campaign's index.html and preview.png")
+    parser.add_argument("campaign")
+    parser.add_argument("--from", dest="source", required=True, metavar="URL",
+                        help="storage root the campaign is in (local folder or gs://bucket/prefix)")
+    parser.add_argument("--limit", type=int, default=DEFAULT_LIMIT, help="images listed on the page (newest first)")
+    parser.add_argument("--tiles", type=int, default=DEFAULT_TILES, help="thumbnails on the contact sheet")
+    parser.set_defaults(handler=cmd_gallery)

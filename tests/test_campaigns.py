@@ -1,0 +1,159 @@
+"""Campaign runs against a real redis-server and a real `renderfarm worker` with the tiny
+model: bad rows and --strict, resume of a finished and of a cancelled campaign (every job
+stored exactly once), and the `renderfarm campaign` commands."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import renderfarm.cli as rf_cli
+from producer.campaigns import StrictError, campaign_jobs, load_spec, run_campaign
+from producer.status import cancel_campaign
+from renderfarm.progress import Progress
+from renderfarm.queue import queue_name
+from renderfarm.settings import Settings
+from renderfarm.storage import open_storage
+from tests.conftest import STEPS
+from tests.farm import WorkerProcess, farm_app, manifest_ids, wait_for
+from tests.redis_server import RedisServer
+
+
+def queued(server: RedisServer, model: str) -> int:
+    """Messages waiting in a model's queue, over its priority sub-queues."""
+    client = server.client()
+    return sum(client.llen(name) for name in client.scan_iter(f"{queue_name(model, 'float32')}*"))
+
+
+def write_spec(tmp_path: Path, name: str, model: str, source: str, **keys: object) -> Path:
+    lines = {"name": name, "model": model, "output": "out", "prompts": source, "base_seed": 1000,
+             "width": 64, "height": 64, "steps": STEPS, **keys}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in lines.items()))
+    return path
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, str]:
+    code = rf_cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_bad_rows_are_skipped_and_reported_and_strict_enqueues_nothing(
+        broker: str, redis_server: RedisServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rows = [f"good {i}" for i in range(2500)]  # more than two submit chunks
+    rows[1200] = '{"prompt": "x", "steps": 0}'
+    rows[2400] = '{"prompt": ""}'
+    lines = [json.dumps({"prompt": r}) if r.startswith("good") else r for r in rows] + ["{not json"]
+    (tmp_path / "rows.jsonl").write_text("\n".join(lines) + "\n")
+    path = write_spec(tmp_path, "bad", "some/model", "rows.jsonl")
+
+    code, out, err = cli(capsys, "campaign", "run", path, "--strict", "--broker", broker)
+    assert code == 1
+    assert "has 3 bad rows (first: line 1201: steps=0: must be in 1..500); --strict enqueues nothing" in err
+    assert "bad line 2401: prompt='': must not be empty" in err and "bad line 2501: line='{not json'" in err
+    assert redis_server.client().dbsize() == 0  # not a message, not a counter
+    with pytest.raises(StrictError):
+        run_campaign(load_spec(path), settings=Settings(broker_url=broker), strict=True)
+    assert queued(redis_server, "some/model") == 0
+
+    code, out, _ = cli(capsys, "campaign", "validate", path)
+    assert code == 1
+    assert "2501 rows" in out and "2498 jobs" in out and "3 bad rows" in out and "  line 1201: steps=0" in out
+
+    code, out, _ = cli(capsys, "campaign", "run", path, "--broker", broker)
+    assert code == 0
+    assert "campaign bad: 2501 rows, 2498 jobs, 3 bad rows skipped" in out
+    assert "bad line 1201: steps=0: must be in 1..500" in out and "enqueued 2498 jobs" in out
+    assert queued(redis_server, "some/model") == 2498
+    seeds = sorted(j.seed for j in campaign_jobs(load_spec(path)))
+    assert seeds[1199:1201] == [1000 + 1199, 1000 + 1201]  # the bad row's seed is skipped, none shifted
+
+
+def test_validate_prints_jobs_and_shapes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "p.csv").write_text("prompt,width,notes\na,128,x\nb,,y\n")
+    path = write_spec(tmp_path, "shapes", "org/m", "p.csv", images_per_prompt=3)
+    code, out, _ = cli(capsys, "campaign", "validate", path)
+    assert code == 0
+    assert "campaign shapes: 2 rows from" in out and "6 jobs (3 per row), seeds 1000..1005" in out
+    assert "org/m 128x64 3 steps default scheduler: 3 jobs" in out and "org/m 64x64 3 steps" in out
+    assert "ignored columns (not job fields): notes" in out and out.rstrip().endswith("valid")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nmodel: m\noutput: o\nprompts: p.csv\nbase_seed: 0\nstep: 3\n")
+    code, _, err = cli(capsys, "campaign", "validate", bad)
+    assert code == 2 and f"{bad}: step=3: unknown key" in err
+
+
+@pytest.fixture(scope="module")
+def worker(redis_server: RedisServer, tiny_sd: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    out = tmp_path_factory.mktemp("campaign-out")
+    logs = tmp_path_factory.mktemp("campaign-logs")
+    process = WorkerProcess(tiny_sd, str(out), redis_server.url, "campaigns", logs)
+    process.wait_ready(farm_app(redis_server.url))
+    yield {"out": out, "model": str(tiny_sd), "process": process}
+    process.stop()
+
+
+def write_worker_spec(tmp_path: Path, worker: dict, name: str, n: int) -> Path:
+    (tmp_path / f"{name}.txt").write_text("".join(f"{name} lighthouse {i}\n" for i in range(n)))
+    return write_spec(tmp_path, name, worker["model"], f"{name}.txt", output=str(worker["out"]),
+                      images_per_prompt=2)
+
+
+def test_a_finished_campaign_run_again_submits_nothing(
+        worker: dict, redis_server: RedisServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    redis_server.client().flushall()
+    path = write_worker_spec(tmp_path, worker, "twice", 4)
+    spec = load_spec(path)
+    code, out, _ = cli(capsys, "campaign", "run", path, "--wait", "--timeout", 240, "--broker", redis_server.url)
+    assert code == 0, out
+    assert "enqueued 8 jobs" in out and "finished: 8 done, 0 failed, 0 cancelled" in out
+    storage = open_storage(str(worker["out"]))
+    ids = {j.job_id for j in campaign_jobs(spec)}
+    assert sorted(manifest_ids(storage, "twice")) == sorted(ids)
+    stamps = {p: p.stat().st_mtime_ns for p in (worker["out"] / "twice").iterdir()}
+
+    run = run_campaign(spec, settings=Settings(broker_url=redis_server.url))
+    assert (run.jobs, run.already_done, run.submitted, run.submission) == (8, 8, 0, None)
+    assert "nothing to do: all 8 jobs already in storage" in run.summary()
+    assert queued(redis_server, worker["model"]) == 0
+    assert {p: p.stat().st_mtime_ns for p in (worker["out"] / "twice").iterdir()} == stamps
+
+
+def test_a_cancelled_campaign_run_again_finishes_every_job_once(
+        worker: dict, redis_server: RedisServer, tmp_path: Path) -> None:
+    redis_server.client().flushall()
+    settings = Settings(broker_url=redis_server.url)
+    progress = Progress(redis_server.client())
+    spec = load_spec(write_worker_spec(tmp_path, worker, "halfway", 8))  # 16 jobs
+    # Half of it rendered: the first 4 rows are a spec of their own (same rows, same seeds).
+    (tmp_path / "first-half.txt").write_text("".join(f"halfway lighthouse {i}\n" for i in range(4)))
+    first_half = dataclasses.replace(spec, prompts=str(tmp_path / "first-half.txt"))
+    assert run_campaign(first_half, settings=settings).submitted == 8
+    wait_for(lambda: progress.status("halfway")["done"] == 8, 240, "the first half")
+
+    # The rest submitted, then cancelled before the (paused) worker reaches it: it skips them.
+    worker["process"].proc.send_signal(signal.SIGSTOP)
+    try:
+        run = run_campaign(spec, settings=settings)
+        assert (run.jobs, run.already_done, run.submitted) == (16, 8, 8)
+        cancel_campaign("halfway", redis_server.url)
+    finally:
+        worker["process"].proc.send_signal(signal.SIGCONT)
+    wait_for(lambda: progress.status("halfway")["cancelled"] == 8, 240, "8 jobs skipped as cancelled")
+    storage = open_storage(str(worker["out"]))
+    assert len(manifest_ids(storage, "halfway")) == 8
+
+    again = run_campaign(spec, settings=settings)
+    assert (again.already_done, again.submitted) == (8, 8)
+    assert not progress.is_cancelled("halfway")  # the run lifted the cancel
+    wait_for(lambda: progress.status("halfway")["done"] == 16, 240, "every job")
+    ids = manifest_ids(storage, "halfway")
+    assert len(ids) == len(set(ids)) == 16
+    assert set(ids) == {j.job_id for j in campaign_jobs(spec)}
+    assert run_campaign(spec, settings=settings).submission is None

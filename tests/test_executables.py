@@ -1,0 +1,84 @@
+"""Saved executables (worker.executables): a new engine loads instead of compiling, renders
+the same pixels, and never takes a program made for another model, shape or batch."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from renderfarm.jobs import JobSpec
+from tests.conftest import STEPS
+from worker.engine import Engine, ShapeKey
+from worker.executables import ExecutableStore
+from worker.models import LoadedModel
+
+
+def spec(model: LoadedModel, **fields: object) -> JobSpec:
+    # A shape no other test compiles, so the store fixture's first compile is its own.
+    return JobSpec(**{"prompt": "a lighthouse at dusk", "model": model.ref, "seed": 7, "steps": STEPS,
+                      "width": 48, "height": 48, **fields})
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory, sd_model: LoadedModel) -> ExecutableStore:
+    """A store holding the executable of the default shape, saved by a first engine."""
+    store = ExecutableStore(tmp_path_factory.mktemp("executables"))
+    first = Engine(sd_model, executables=store)
+    first.compiled(first.check(spec(sd_model)))
+    assert store.loaded == 0 and len(list(store.folder.iterdir())) == 1
+    return store
+
+
+def test_a_new_engine_loads_the_saved_program_and_renders_the_same(
+        store: ExecutableStore, sd_model: LoadedModel, sd_engine: Engine) -> None:
+    loaded_before = store.loaded
+    second = Engine(sd_model, executables=store)
+    jobs = [spec(sd_model, seed=s, guidance_scale=2.0 + s) for s in range(3)]
+    images = [r.image for r in second.render(jobs)]
+    assert store.loaded == loaded_before + 1 and second.compile_seconds == 0
+    for image, reference in zip(images, (r.image for r in sd_engine.render(jobs))):
+        np.testing.assert_array_equal(image, reference)
+    assert second.flops(second.check(jobs[0])) == sd_engine.flops(sd_engine.check(jobs[0]))
+
+
+def test_program_names_change_with_everything_the_program_depends_on(sd_model: LoadedModel,
+                                                                     tmp_path: Path) -> None:
+    engine = Engine(sd_model)
+    key = engine.check(spec(sd_model))
+    name = engine._program_name(key)  # noqa: SLF001
+    assert engine._program_name(dataclasses.replace(key)) == name  # noqa: SLF001 - stable
+    for other in (dataclasses.replace(key, steps=key.steps + 1), dataclasses.replace(key, width=key.width + 16),
+                  dataclasses.replace(key, scheduler="ddim")):
+        assert engine._program_name(other) != name  # noqa: SLF001
+    assert Engine(sd_model, per_device_batch=2)._program_name(key) != name  # noqa: SLF001
+    assert Engine(sd_model, devices=engine.devices[:4])._program_name(key) != name  # noqa: SLF001
+    # Another architecture (here: another scheduler config) is another program ...
+    other_config = dict(sd_model.pipe.scheduler.config, beta_end=0.02)
+    changed = dataclasses.replace(sd_model, pipe=_with_scheduler_config(sd_model, other_config))
+    assert Engine(changed)._program_name(key) != name  # noqa: SLF001
+    # ... but other weights of the same architecture are only other inputs.
+    reweighted = dataclasses.replace(sd_model, params={**sd_model.params,
+                                                       "unet": jax.tree.map(lambda w: w * 2, sd_model.params["unet"])})
+    assert Engine(reweighted)._program_name(key) == name  # noqa: SLF001
+
+
+def _with_scheduler_config(model: LoadedModel, config: dict) -> object:
+    pipe = model.pipe
+    scheduler = type(pipe.scheduler).from_config(config)
+    return type(pipe)(**{**pipe.components, "scheduler": scheduler}, dtype=pipe.dtype)
+
+
+def test_an_unreadable_saved_program_is_compiled_again(store: ExecutableStore, sd_model: LoadedModel,
+                                                       sd_engine: Engine, tmp_path: Path) -> None:
+    broken = ExecutableStore(tmp_path / "broken")
+    engine = Engine(sd_model, executables=broken)
+    key: ShapeKey = engine.check(spec(sd_model))
+    (broken.folder / f"{engine._program_name(key)}.xla").write_bytes(b"not an executable")  # noqa: SLF001
+    image = engine.render([spec(sd_model)])[0].image
+    assert broken.loaded == 0
+    np.testing.assert_array_equal(image, sd_engine.render([spec(sd_model)])[0].image)
+    assert not any(broken.folder.iterdir())  # the broken entry is gone, not tried again

@@ -1,0 +1,62 @@
+"""The engine knows the FLOPs of each compiled shape, so a worker can log its achieved
+FLOP/s; XLA counts a loop's body once, and the engine's count must still grow with steps."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from tests.conftest import STEPS
+from worker.engine import ShapeKey
+from worker.flops import PEAK_ENV, describe_rate, peak_flops, program_flops, unet_flops
+
+
+def test_engine_counts_flops_of_each_compiled_shape(sd_engine) -> None:  # noqa: ANN001
+    key = ShapeKey(64, 64, STEPS, "pndm")
+    compiled = sd_engine.compiled(key)
+    flops = sd_engine.flops(key)
+    assert flops is not None and flops > 0
+    # the whole batch on all devices: more than XLA's count of one device's program
+    assert flops > program_flops(compiled) * len(sd_engine.devices)
+    assert sd_engine.flops(ShapeKey(128, 64, STEPS, "pndm")) is None  # not compiled
+
+
+def test_flops_grow_with_steps_by_one_unet_call_per_step(sd_engine) -> None:  # noqa: ANN001
+    short, long = ShapeKey(64, 64, STEPS, "pndm"), ShapeKey(64, 64, 2 * STEPS, "pndm")
+    programs = [program_flops(sd_engine.compiled(key)) for key in (short, long)]
+    # XLA's premise the engine corrects for: the denoising loop is counted once
+    assert programs[0] == pytest.approx(programs[1], rel=1e-3)
+    model = sd_engine.model
+    per_device = sd_engine.batch_size // len(sd_engine.devices)
+    latent = 64 // model.vae_scale_factor
+    step = unet_flops(model.pipe.unet, model.params["unet"], 2 * per_device, latent, latent)
+    assert step is not None and step > 0
+    # a UNet call costs in proportion to its batch (two latents per job: guidance)
+    assert unet_flops(model.pipe.unet, model.params["unet"], 4 * per_device, latent, latent) == \
+        pytest.approx(2 * step, rel=0.01)
+    extra = sd_engine.flops(long) - sd_engine.flops(short)
+    assert extra == pytest.approx(STEPS * step * len(sd_engine.devices), rel=1e-3)
+    # the rest of the program (text encoder, VAE decode) does not grow with steps
+    fixed = sd_engine.flops(short) - STEPS * step * len(sd_engine.devices)
+    assert 0 < fixed < sd_engine.flops(short)
+
+
+def test_program_flops_of_a_lowered_matmul() -> None:
+    x = jax.ShapeDtypeStruct((64, 32), jnp.float32)
+    y = jax.ShapeDtypeStruct((32, 16), jnp.float32)
+    assert program_flops(jax.jit(jnp.matmul).lower(x, y)) == 2 * 64 * 32 * 16
+
+
+def test_peak_and_fraction_of_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(PEAK_ENV, raising=False)
+    assert peak_flops("TPU v5 lite") == 197e12
+    assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert peak_flops("cpu") is None
+    text = describe_rate(8 * 98.5e12, 1.0, "TPU v5 lite", 8)
+    assert text.startswith("788.00 TFLOP/s, 50% of peak")
+    assert describe_rate(1e12, 2.0, "cpu", 8) == "0.50 TFLOP/s"
+    assert describe_rate(None, 2.0, "cpu", 8) == "FLOP/s unknown"
+    monkeypatch.setenv(PEAK_ENV, "100")
+    assert peak_flops("cpu") == 100e12

@@ -1,0 +1,184 @@
+"""The per-campaign gallery: thumbnails, contact sheet, index.html, seen in a real headless Chromium."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from renderfarm import gallery
+from renderfarm.cli import main
+from renderfarm.jobs import parse_job
+from renderfarm.storage import Storage, manifest_name, open_storage, thumbnail_name
+from tests.conftest import STEPS
+from tests.gcs_emulator import GcsEmulator
+
+COLOURS = [(230, 30, 30), (30, 200, 40), (40, 60, 230), (240, 220, 20), (200, 40, 220)]
+HOSTILE = ['<script>alert("x")</script> a cat', '"><img src=x onerror=alert(1)> a dog']
+
+
+def store_results(storage: Storage, model: Any, campaign: str, colours: list[tuple[int, int, int]],
+                  prompts: list[str] | None = None, size: tuple[int, int] = (64, 64)) -> list[dict[str, Any]]:
+    """Solid-colour results stored the way the worker stores them (worker/output.py's BatchWriter:
+    PNG, sidecar, manifest lines), plus the thumbnail the worker stores with each image."""
+    import jax
+
+    from worker.engine import Batch, Rendered, ShapeKey
+    from worker.output import BatchWriter
+
+    width, height = size
+    prompts = prompts or [f"a {c} square" for c in ("red", "green", "blue", "yellow", "magenta")][:len(colours)]
+    key = ShapeKey(width, height, STEPS, "pndm")
+    batch = [Rendered(i, parse_job({"prompt": p, "model": model.ref, "seed": 100 + i, "steps": STEPS,
+                                    "width": width, "height": height, "campaign": campaign}),
+                      np.full((height, width, 3), c, np.uint8), key, False, Batch(0, len(colours), 8, 0.1))
+             for i, (p, c) in enumerate(zip(prompts, colours, strict=True))]
+    stored: list[dict[str, Any]] = []
+    with BatchWriter(storage, model, jax.devices(), on_stored=stored.extend) as writer:
+        writer.submit(batch)
+    return stored
+
+
+def chromium(*args: str) -> subprocess.CompletedProcess:
+    exe = shutil.which("chromium")
+    if exe is None:
+        pytest.fail("Debian's `chromium` is not installed: apt-get install -y chromium (the gallery test needs it)")
+    return subprocess.run([exe, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", *args],
+                          capture_output=True, text=True, timeout=120, check=True)
+
+
+def close(pixel: np.ndarray, colour: tuple[int, int, int], tolerance: int = 16) -> np.ndarray:
+    return (np.abs(pixel.astype(int) - np.array(colour)) <= tolerance).all(axis=-1)
+
+
+@pytest.fixture()
+def local(tmp_path: Path) -> Storage:
+    return open_storage(str(tmp_path / "renders"))
+
+
+def test_refresh_writes_index_and_contact_sheet(sd_model: Any, local: Storage) -> None:
+    records = store_results(local, sd_model, "c1", COLOURS)
+    local.append_lines(manifest_name("c1"), [json.dumps(records[0])])  # a redelivered job: listed once
+    report = gallery.refresh(local, "c1")
+    assert (report.total, report.shown, report.tiles) == (5, 5, 5)
+
+    sheet = np.asarray(Image.open(io.BytesIO(local.get("c1/preview.png"))).convert("RGB"))
+    columns, rows = gallery.grid_shape(5)
+    assert (columns, rows) == (3, 2)
+    step = gallery.THUMB_SIZE + gallery.TILE_GAP
+    assert sheet.shape == (rows * step + gallery.TILE_GAP, columns * step + gallery.TILE_GAP, 3)
+    centres = [(gallery.TILE_GAP + r * step + gallery.THUMB_SIZE // 2, gallery.TILE_GAP + c * step + gallery.THUMB_SIZE // 2)
+               for r in range(rows) for c in range(columns)]
+    for (y, x), colour in zip(centres, reversed(COLOURS)):  # newest first
+        assert close(sheet[y, x], colour), (y, x, sheet[y, x], colour)
+    assert not any(close(sheet[centres[5]], c) for c in COLOURS)  # the sixth slot is empty
+
+    page = local.get("c1/index.html").decode()
+    assert "5 images" in page and "all shown" in page and page.count("<figure") == 5
+    for record in records:
+        assert f'href="{record["job_id"]}.png"' in page and f'src="thumbs/{record["job_id"]}.jpg"' in page
+        assert f"seed {record['spec']['seed']}" in page
+    assert str(local.root) not in page and "file:/" not in page.replace("img-src 'self' file:", "")
+
+
+def test_limit_lists_the_newest_and_states_the_total(sd_model: Any, local: Storage) -> None:
+    records = store_results(local, sd_model, "c2", COLOURS)
+    report = gallery.refresh(local, "c2", limit=2, tiles=1)
+    page = local.get("c2/index.html").decode()
+    assert (report.total, report.shown, report.tiles) == (5, 2, 1)
+    assert "5 images" in page and "showing the newest 2" in page and page.count("<figure") == 2
+    assert page.index(records[4]["job_id"]) < page.index(records[3]["job_id"])
+    assert records[2]["job_id"] not in page
+    sheet = Image.open(io.BytesIO(local.get("c2/preview.png")))
+    assert sheet.size == (gallery.THUMB_SIZE + 2 * gallery.TILE_GAP,) * 2
+
+
+def test_hostile_prompts_are_escaped(sd_model: Any, local: Storage, tmp_path: Path) -> None:
+    store_results(local, sd_model, "c3", COLOURS[:2], prompts=HOSTILE)
+    gallery.refresh(local, "c3")
+    page = local.get("c3/index.html").decode()
+    assert "<script" not in page and "<img src=x" not in page
+    assert "&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt; a cat" in page
+    dom = chromium("--dump-dom", (local.root / "c3" / "index.html").as_uri()).stdout
+    assert "<script" not in dom and 'onerror="' not in dom and '<img src="x"' not in dom
+    assert "&lt;script&gt;alert(\"x\")&lt;/script&gt; a cat" in dom and "a dog" in dom
+
+
+def test_chromium_screenshot_shows_every_image(sd_model: Any, local: Storage, tmp_path: Path) -> None:
+    records = store_results(local, sd_model, "c4", COLOURS)
+    gallery.refresh(local, "c4")
+    page = (local.root / "c4" / "index.html").as_uri()
+    shot = tmp_path / "shot.png"
+    chromium(f"--screenshot={shot}", "--window-size=1000,700", page)
+    pixels = np.asarray(Image.open(shot).convert("RGB"))
+    for colour in COLOURS:  # each thumbnail is drawn in a 128 x 128 box
+        assert close(pixels, colour).sum() >= 0.8 * gallery.THUMB_SIZE ** 2, colour
+    dom = chromium("--dump-dom", page).stdout
+    for record in records:
+        assert record["spec"]["prompt"] in dom
+
+
+def test_store_thumbnail_keeps_the_aspect_ratio(sd_model: Any, local: Storage) -> None:
+    (record,) = store_results(local, sd_model, "wide", [(10, 120, 250)], size=(256, 128))
+    thumb = Image.open(io.BytesIO(local.get(thumbnail_name("wide", record["job_id"]))))
+    assert (thumb.format, thumb.size) == ("JPEG", (128, 64))
+    assert close(np.asarray(thumb)[32, 64], (10, 120, 250))
+
+
+def test_gallery_command_makes_missing_thumbnails(sd_model: Any, local: Storage,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    records = store_results(local, sd_model, "c5", COLOURS[:3])
+    shutil.rmtree(local.root / "c5" / "thumbs")
+    assert main(["gallery", "c5", "--from", str(local.root)]) == 0
+    out = capsys.readouterr().out
+    assert "3 of 3 images" in out and "made 3 missing thumbnails" in out and str(local.root / "c5" / "index.html") in out
+    for record in records:
+        assert local.exists(thumbnail_name("c5", record["job_id"]))
+    assert local.exists("c5/preview.png")
+
+    assert main(["gallery", "nope", "--from", str(local.root)]) == 2
+    err = capsys.readouterr().err
+    assert "campaign='nope'" in err and str(local.root / "nope" / "manifest.jsonl") in err
+    assert main(["gallery", "../etc", "--from", str(local.root)]) == 2
+    assert "campaign='../etc': must match" in capsys.readouterr().err
+
+
+def test_refresher_throttles_per_campaign(sd_model: Any, local: Storage) -> None:
+    store_results(local, sd_model, "c6", COLOURS[:1])
+    now = [1000.0]
+    refresher = gallery.Refresher(local, interval=30, clock=lambda: now[0])
+    index = local.root / "c6" / "index.html"
+    refresher.stored(["c6"])
+    assert index.exists()  # the first batch of a campaign shows at once
+    index.unlink()
+    now[0] += 10
+    refresher.stored(["c6"])
+    assert not index.exists()  # within the interval: only marked stale
+    now[0] += 25
+    refresher.stored([])
+    assert index.exists()  # the interval passed: a stale campaign is refreshed
+    index.unlink()
+    refresher.stored(["c6"])
+    refresher.flush()  # queue drained: stale ones now
+    assert index.exists()
+    refresher.stored(["no-manifest"])  # a failing refresh is logged, not raised
+
+
+def test_gallery_on_gcs(sd_model: Any, gcs: GcsEmulator) -> None:
+    bucket = f"g-{uuid.uuid4().hex[:10]}"
+    gcs.create_bucket(bucket)
+    storage = open_storage(f"gs://{bucket}/renders")
+    store_results(storage, sd_model, "c7", COLOURS[:2])
+    report = gallery.refresh(storage, "c7")
+    assert report.index_url == f"gs://{bucket}/renders/c7/index.html"
+    blob = storage.client.bucket(bucket).get_blob("renders/c7/index.html")
+    assert blob.content_type.startswith("text/html") and "2 images" in blob.download_as_text()
+    assert Image.open(io.BytesIO(storage.get("c7/preview.png"))).size == (2 * 132 + 4, 132 + 4)

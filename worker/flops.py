@@ -1,0 +1,92 @@
+"""FLOPs of compiled programs and the achieved FLOP/s against a device's peak, so a worker
+on real hardware can say what fraction of its accelerators' peak it reaches.
+
+The counts are XLA's own (`cost_analysis`), which needs shapes only, never weights. One
+trap: XLA counts the body of a loop once, whatever its trip count, so a program that runs
+the UNet in a `fori_loop` of N steps reports the cost of one step; `denoise_flops` adds
+the other N - 1 from a separately lowered UNet call.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+PEAK_ENV = "RENDERFARM_PEAK_TFLOPS"  # per JAX device; overrides the table below
+# Dense bf16 peak per JAX device (vendor spec sheets). TPU v2 and v3 show each of a chip's
+# two TensorCores as a device; later TPUs and GPUs show one device per chip.
+PEAK_TFLOPS = {
+    "TPU v2": 22.5, "TPU v3": 61.5, "TPU v4": 275.0, "TPU v5 lite": 197.0, "TPU v5e": 197.0,
+    "TPU v5": 459.0, "TPU v5p": 459.0, "TPU v6 lite": 918.0, "TPU v6e": 918.0,
+    "NVIDIA H100 PCIe": 756.0, "NVIDIA H100": 989.0, "NVIDIA H200": 989.0, "NVIDIA A100": 312.0,
+}
+CONTEXT_TOKENS = 77  # CLIP's context length: every SD text embedding has 77 positions
+
+
+def program_flops(compiled: Any) -> float | None:
+    """FLOPs XLA counted for a compiled (or lowered) program; None where the backend gives
+    none. jax returns a dict, a one-element list of dicts (older releases) or None."""
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001 - some backends do not implement cost analysis
+        return None
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else None
+    flops = cost.get("flops") if isinstance(cost, Mapping) else None
+    return float(flops) if flops is not None and flops > 0 else None
+
+
+def unet_flops(unet: Any, params: Any, batch: int, latent_height: int, latent_width: int) -> float | None:
+    """FLOPs of one call of a diffusers Flax UNet on `batch` latents (2 per image with
+    classifier-free guidance). Lowered, not compiled: seconds even for SDXL. `params` may be
+    abstract (`jax.eval_shape(unet.init_weights, key)`)."""
+    config = unet.config
+    f32 = jnp.float32
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), params)  # no transfers
+    sample = jax.ShapeDtypeStruct((batch, config.in_channels, latent_height, latent_width), f32)
+    context = jax.ShapeDtypeStruct((batch, CONTEXT_TOKENS, config.cross_attention_dim), f32)
+    added = None
+    if config.addition_embed_type == "text_time":  # SDXL: pooled text + 6 size conditions
+        time_ids = 6
+        pooled = config.projection_class_embeddings_input_dim - time_ids * config.addition_time_embed_dim
+        added = {"text_embeds": jax.ShapeDtypeStruct((batch, pooled), f32),
+                 "time_ids": jax.ShapeDtypeStruct((batch, time_ids), f32)}
+
+    def call(params: Any, sample: jax.Array, context: jax.Array, added: Any) -> jax.Array:
+        timestep = jnp.full((sample.shape[0],), 999, jnp.int32)
+        extra = {} if added is None else {"added_cond_kwargs": added}
+        return unet.apply({"params": params}, sample, timestep, encoder_hidden_states=context, **extra).sample
+
+    return program_flops(jax.jit(call).lower(params, sample, context, added))
+
+
+def denoise_flops(program: float | None, unet_step: float | None, steps: int) -> float | None:
+    """FLOPs of a program whose `steps`-long denoising loop XLA counted once."""
+    if program is None or unet_step is None:
+        return None
+    return program + (steps - 1) * unet_step
+
+
+def peak_flops(device_kind: str) -> float | None:
+    """Peak FLOP/s of one device: $RENDERFARM_PEAK_TFLOPS, else the table (longest matching
+    prefix of JAX's device_kind), else None (CPUs and unknown devices)."""
+    if os.environ.get(PEAK_ENV):
+        return float(os.environ[PEAK_ENV]) * 1e12
+    matches = [name for name in PEAK_TFLOPS if device_kind.startswith(name)]
+    return PEAK_TFLOPS[max(matches, key=len)] * 1e12 if matches else None
+
+
+def describe_rate(flops: float | None, seconds: float, device_kind: str, devices: int) -> str:
+    """'41.2 TFLOP/s, 21% of peak (8 x TPU v5 lite at 197 TFLOP/s)' for one batch."""
+    if flops is None or seconds <= 0:
+        return "FLOP/s unknown"
+    rate = flops / seconds
+    text = f"{rate / 1e12:.2f} TFLOP/s"
+    peak = peak_flops(device_kind)
+    if peak is not None:
+        text += f", {rate / (peak * devices):.0%} of peak ({devices} x {device_kind} at {peak / 1e12:g} TFLOP/s)"
+    return text
