@@ -22,7 +22,7 @@ demo: $(BIN)/.installed
 	$(BIN)/renderfarm tiny-model build/tiny-sd --kind sd
 	$(BIN)/renderfarm render --model build/tiny-sd --prompts examples/prompts.txt \
 		--out out --campaign demo --seed 0 --steps 4
-	@echo "images, sidecars and manifest.jsonl are in out/demo/"
+	@echo "images, sidecars, manifest.jsonl and the gallery (index.html, preview.png) are in out/demo/"
 
 test: $(BIN)/.installed system-packages
 	$(BIN)/python -m pytest -q

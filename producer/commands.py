@@ -18,7 +18,7 @@ from renderfarm.settings import Settings
 Handler = Callable[[argparse.Namespace], int]
 
 
-def _broker_errors(handler: Handler) -> Handler:
+def broker_errors(handler: Handler) -> Handler:
     """A broker that cannot be reached is an operator's error message, not a traceback."""
     @functools.wraps(handler)
     def run(args: argparse.Namespace) -> int:
@@ -31,7 +31,7 @@ def _broker_errors(handler: Handler) -> Handler:
     return run
 
 
-@_broker_errors
+@broker_errors
 def cmd_submit(args: argparse.Namespace) -> int:
     from renderfarm.cli import job_defaults
 
@@ -89,7 +89,7 @@ def cmd_campaign_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-@_broker_errors
+@broker_errors
 def cmd_campaign_run(args: argparse.Namespace) -> int:
     from producer.campaigns import StrictError, load_spec, run_campaign
 
@@ -104,14 +104,14 @@ def cmd_campaign_run(args: argparse.Namespace) -> int:
     return 0 if run.submission is None else _follow(args, run.submission, spec.name)
 
 
-@_broker_errors
+@broker_errors
 def cmd_status(args: argparse.Namespace) -> int:
     report = campaign_status(args.campaign, args.broker)
     print(json.dumps(report, indent=2) if args.json else format_status(report))
     return 0
 
 
-@_broker_errors
+@broker_errors
 def cmd_cancel(args: argparse.Namespace) -> int:
     report = cancel_campaign(args.campaign, args.broker)
     print(f"campaign {args.campaign} cancelled: workers skip its {report['queued']} queued jobs "
@@ -120,7 +120,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
-def _broker_flag(parser: argparse.ArgumentParser) -> None:
+def broker_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--broker", metavar="URL",
                         help="Redis broker URL (default: $RENDERFARM_BROKER_URL or redis://localhost:6379/0)")
 
@@ -137,18 +137,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                                help="show progress until every job of this submission is finished")
     submit_parser.add_argument("--timeout", type=float, metavar="S",
                                help="give up waiting after S seconds, exit 1 (implies --wait)")
-    _broker_flag(submit_parser)
+    broker_flag(submit_parser)
     submit_parser.set_defaults(handler=cmd_submit)
 
     status = sub.add_parser("status", help="a campaign's progress, failures, rate, ETA and queues")
     status.add_argument("campaign", metavar="CAMPAIGN")
     status.add_argument("--json", action="store_true", help="one JSON object")
-    _broker_flag(status)
+    broker_flag(status)
     status.set_defaults(handler=cmd_status)
 
     cancel = sub.add_parser("cancel", help="skip a campaign's queued jobs")
     cancel.add_argument("campaign", metavar="CAMPAIGN")
-    _broker_flag(cancel)
+    broker_flag(cancel)
     cancel.set_defaults(handler=cmd_cancel)
 
     campaign = sub.add_parser("campaign", help="check or run a campaign spec (YAML; docs/campaigns.md)")
@@ -161,5 +161,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--strict", action="store_true", help="enqueue nothing if any row is bad")
     run.add_argument("--wait", action="store_true", help="show progress until every job submitted is finished")
     run.add_argument("--timeout", type=float, metavar="S", help="give up waiting after S seconds, exit 1 (implies --wait)")
-    _broker_flag(run)
+    broker_flag(run)
     run.set_defaults(handler=cmd_campaign_run)

@@ -91,22 +91,25 @@ class Progress:
     def started(self, jobs: Iterable[tuple[str, str]]) -> list[int]:
         """Mark (campaign, job id) pairs running; returns each job's attempt number."""
         jobs = list(jobs)
+        if not jobs:
+            return []
         pipe = self.r.pipeline(transaction=False)
-        for campaign, job_id in jobs:
-            pipe.sadd(key(campaign, "running"), job_id)
+        for job_id in (job_id for _, job_id in jobs):
             pipe.hincrby(ATTEMPTS, job_id, 1)
-        return pipe.execute()[1::2]
+        for campaign, ids in _by_campaign(jobs).items():
+            pipe.sadd(key(campaign, "running"), *ids)
+        return pipe.execute()[:len(jobs)]
 
     def finished(self, jobs: Iterable[tuple[str, str]]) -> None:
-        """Mark (campaign, job id) pairs done, in one round trip."""
+        """Mark (campaign, job id) pairs done, in one round trip, a few commands a campaign."""
         now = time.time()
         pipe = self.r.pipeline(transaction=False)
-        for campaign, job_id in jobs:
-            pipe.srem(key(campaign, "running"), job_id)
-            pipe.sadd(key(campaign, "done"), job_id)
+        for campaign, ids in _by_campaign(jobs).items():
+            pipe.srem(key(campaign, "running"), *ids)
+            pipe.sadd(key(campaign, "done"), *ids)
+            pipe.hdel(key(campaign, "failed"), *ids)
             pipe.hsetnx(key(campaign, "times"), "first_done", now)
             pipe.hset(key(campaign, "times"), "last_done", now)
-            pipe.hdel(key(campaign, "failed"), job_id)
         pipe.execute()
 
     def failed(self, campaign: str, job_id: str, reason: str) -> None:
@@ -152,3 +155,10 @@ class Progress:
             "images_per_second": rate,
             "eta_seconds": (queued + running) / rate if rate else None,
         }
+
+
+def _by_campaign(jobs: Iterable[tuple[str, str]]) -> dict[str, list[str]]:
+    grouped: dict[str, list[str]] = {}
+    for campaign, job_id in jobs:
+        grouped.setdefault(campaign, []).append(job_id)
+    return grouped

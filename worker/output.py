@@ -71,17 +71,18 @@ def sidecar(result: Rendered, model: LoadedModel, png: bytes, devices: list[jax.
 
 
 def store_result(storage: Storage, result: Rendered, model: LoadedModel,
-                 devices: list[jax.Device]) -> dict[str, Any]:
+                 devices: list[jax.Device]) -> tuple[dict[str, Any], str]:
     """Store one job's PNG and gallery thumbnail, then its sidecar (so a sidecar always
-    has its image)."""
+    has its image); returns the sidecar and its JSON text, which is its manifest line."""
     image = Image.fromarray(result.image)
     png = encode_png(result, image)
     record = sidecar(result, model, png, devices)
+    line = json.dumps(record)
     campaign, job_id = result.spec.campaign, result.spec.job_id
     storage.put(image_name(campaign, job_id), png, "image/png")
     store_thumbnail(storage, campaign, job_id, image)
-    storage.put(sidecar_name(campaign, job_id), json.dumps(record).encode(), "application/json")
-    return record
+    storage.put(sidecar_name(campaign, job_id), line.encode(), "application/json")
+    return record, line
 
 
 class BatchWriter:
@@ -96,35 +97,45 @@ class BatchWriter:
                  threads: int = 2, max_pending: int = 2,
                  on_stored: Callable[[list[dict[str, Any]]], None] = lambda records: None,
                  on_failed: Callable[[Rendered, Exception], None] | None = None) -> None:
-        self.storage, self.model, self.devices = storage, model, devices
+        self.storage, self.model, self.devices, self.threads = storage, model, devices, threads
         self.max_pending, self.on_stored, self.on_failed = max_pending, on_stored, on_failed
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="store")
-        self._pending: collections.deque[list[tuple[Rendered, Future[dict[str, Any]]]]] = collections.deque()
+        self._pending: collections.deque[list[Future[list[tuple[Rendered, Any]]]]] = collections.deque()
 
     def submit(self, batch: list[Rendered]) -> None:
-        self._pending.append([(r, self._pool.submit(store_result, self.storage, r, self.model, self.devices))
-                              for r in batch])
+        # One task per thread, not per job: a future costs the consumer's thread more than
+        # a small image costs to store.
+        chunks = [batch[i::self.threads] for i in range(min(self.threads, len(batch)))]
+        self._pending.append([self._pool.submit(self._store, chunk) for chunk in chunks])
         while len(self._pending) > self.max_pending:
             self._finish_oldest()
         self.poll()
 
+    def _store(self, chunk: list[Rendered]) -> list[tuple[Rendered, tuple[dict[str, Any], str] | Exception]]:
+        done: list[tuple[Rendered, tuple[dict[str, Any], str] | Exception]] = []
+        for result in chunk:
+            try:
+                done.append((result, store_result(self.storage, result, self.model, self.devices)))
+            except Exception as err:  # noqa: BLE001 - handed to on_failed, raised by default
+                done.append((result, err))
+        return done
+
     def poll(self) -> None:
         """Finish the batches, oldest first, that are stored already; never blocks on one."""
-        while self._pending and all(f.done() for _, f in self._pending[0]):
+        while self._pending and all(f.done() for f in self._pending[0]):
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:
-        records, failures = [], []
-        for result, future in self._pending.popleft():
-            try:
-                records.append(future.result())
-            except Exception as err:  # noqa: BLE001 - handed to on_failed, raised by default
-                failures.append((result, err))
+        done = sorted((pair for future in self._pending.popleft() for pair in future.result()),
+                      key=lambda pair: pair[0].index)  # batch order
+        stored = [outcome for _, outcome in done if not isinstance(outcome, Exception)]
+        failures = [(result, outcome) for result, outcome in done if isinstance(outcome, Exception)]
         by_campaign: dict[str, list[str]] = {}
-        for record in records:
-            by_campaign.setdefault(record["spec"]["campaign"], []).append(json.dumps(record))
+        for record, line in stored:
+            by_campaign.setdefault(record["spec"]["campaign"], []).append(line)
         for campaign, lines in by_campaign.items():
             self.storage.append_lines(manifest_name(campaign), lines)
+        records = [record for record, _ in stored]
         self.on_stored(records)
         for result, err in failures:
             if self.on_failed is None:
