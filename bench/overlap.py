@@ -58,7 +58,7 @@ def main() -> None:
         model = build_tiny_model(Path(tmp) / "tiny-sd")
         # The bare rate before and after the farm, so a drift of the machine shows and averages out.
         before = bare_rate(model, args.jobs, args.steps)
-        farm = farm_rate(model, Path(tmp), args.jobs, args.steps, stand_in=None, size=SIZE)
+        farm, _ = farm_rate(model, Path(tmp), args.jobs, args.steps, stand_in=None, size=SIZE)
         after = bare_rate(model, args.jobs, args.steps)
     bare = (before + after) / 2
     print(f"tiny SD {SIZE}x{SIZE} {args.steps} steps, {args.jobs} images, 8 devices: farm {farm:.2f} images/s, "

@@ -204,8 +204,9 @@ class Engine:
     def compiled(self, key: ShapeKey) -> Any:
         """The executable for a shape key, once per process: a saved one if there is one
         (worker.executables), else compiled (XLA's part maybe from JAX's persistent cache)."""
-        if key not in self._compiled and self.executables is not None:
-            saved = self.executables.load(self._program_name(key), self.devices)
+        name = self._program_name(key) if key not in self._compiled and self.executables is not None else None
+        if name is not None:
+            saved = self.executables.load(name, self.devices)
             if saved is not None:
                 log.info("%s: saved executable loaded", key)
                 self._compiled[key], self._flops[key] = saved[0], saved[1]["flops"]
@@ -227,8 +228,8 @@ class Engine:
             # Only fresh compiles are saved: a program that XLA's CPU backend took from JAX's
             # persistent cache serializes without its code (measured: "Function ... not
             # found" when the copy runs).
-            if self.executables is not None and not from_cache:
-                self.executables.save(self._program_name(key), self._compiled[key], {"flops": self._flops[key]})
+            if name is not None and not from_cache:
+                self.executables.save(name, self._compiled[key], {"flops": self._flops[key]})
         return self._compiled[key]
 
     def _program_name(self, key: ShapeKey) -> str:

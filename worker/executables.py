@@ -13,6 +13,7 @@ Like JAX's cache, the folder holds executable code: it must be writable by the w
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -31,12 +32,17 @@ LIBRARIES = ("jax", "jaxlib", "flax", "diffusers", "transformers")
 DEVICE_CODE = ("generate.py", "schedulers.py", "engine.py")  # what the traced function runs
 
 
+@functools.cache
+def _environment() -> dict[str, dict[str, str]]:
+    """What every program here depends on besides its own parts (read once per process)."""
+    here = Path(__file__).parent
+    return {"libraries": {name: metadata.version(name) for name in LIBRARIES},
+            "code": {name: hashlib.sha256((here / name).read_bytes()).hexdigest() for name in DEVICE_CODE}}
+
+
 def fingerprint(**parts: Any) -> str:
     """A stable name for the program these parts define."""
-    parts["libraries"] = {name: metadata.version(name) for name in LIBRARIES}
-    here = Path(__file__).parent
-    parts["code"] = {name: hashlib.sha256((here / name).read_bytes()).hexdigest() for name in DEVICE_CODE}
-    text = json.dumps(parts, sort_keys=True, default=str)
+    text = json.dumps({**parts, **_environment()}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:40]
 
 
