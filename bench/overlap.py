@@ -27,8 +27,9 @@ from renderfarm.jobs import JobSpec  # noqa: E402
 SIZE = 256
 
 
-def bare_rate(model: Path, n: int, steps: int) -> float:
-    """Images/s of the compiled function alone: same inputs, dispatched back to back."""
+def bare_rate(model: Path, n: int, steps: int) -> tuple[float, float]:
+    """Images/s of the compiled function alone (same inputs, dispatched back to back), and
+    the CPU milliseconds per image it takes (XLA's threads: on a CPU, the devices)."""
     from worker.engine import Engine
     from worker.models import load_model
 
@@ -41,10 +42,11 @@ def bare_rate(model: Path, n: int, steps: int) -> float:
     inputs, _ = engine._inputs(specs)  # noqa: SLF001
     program(engine._params, state, inputs).block_until_ready()  # noqa: SLF001 - warm
     batches = n // engine.batch_size
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     out = [program(engine._params, state, inputs) for _ in range(batches)]  # noqa: SLF001
     jax.block_until_ready(out)
-    return batches * engine.batch_size / (time.perf_counter() - start)
+    images = batches * engine.batch_size
+    return images / (time.perf_counter() - start), 1000 * (time.process_time() - cpu) / images
 
 
 def main() -> None:
@@ -57,13 +59,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="rf-bench-") as tmp:
         model = build_tiny_model(Path(tmp) / "tiny-sd")
         # The bare rate before and after the farm, so a drift of the machine shows and averages out.
-        before = bare_rate(model, args.jobs, args.steps)
-        farm, _ = farm_rate(model, Path(tmp), args.jobs, args.steps, stand_in=None, size=SIZE)
-        after = bare_rate(model, args.jobs, args.steps)
-    bare = (before + after) / 2
+        (before, cpu_before), (farm, cpu_ms) = (bare_rate(model, args.jobs, args.steps),
+                                                farm_rate(model, Path(tmp), args.jobs, args.steps, stand_in=None,
+                                                          size=SIZE))
+        after, cpu_after = bare_rate(model, args.jobs, args.steps)
+    bare, bare_cpu = (before + after) / 2, (cpu_before + cpu_after) / 2
     print(f"tiny SD {SIZE}x{SIZE} {args.steps} steps, {args.jobs} images, 8 devices: farm {farm:.2f} images/s, "
           f"compiled function back to back {bare:.2f} images/s ({before:.2f} before, {after:.2f} after), "
           f"ratio {farm / bare:.3f} (target >= 0.95)")
+    print(f"  CPU per image: farm worker {cpu_ms:.1f} ms, compiled function alone {bare_cpu:.1f} ms: host work "
+          f"{cpu_ms - bare_cpu:.1f} ms per image, on the cores the CPU devices compute on")
 
 
 if __name__ == "__main__":

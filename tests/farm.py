@@ -11,8 +11,10 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+import redis
 from celery import Celery
 from kombu import Connection
+from kombu.exceptions import OperationalError
 
 from renderfarm.jobs import JobSpec
 from renderfarm.progress import Progress
@@ -39,8 +41,11 @@ class WorkerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"worker exited: {self.log.read_text()[-3000:]}"
-            if app.control.ping(destination=[self.name], timeout=0.5):
-                return
+            try:
+                if app.control.ping(destination=[self.name], timeout=0.5):
+                    return
+            except (redis.ConnectionError, OperationalError):
+                continue  # kombu's pooled connection from before a Redis restart fails once
         raise AssertionError(f"worker not ready: {self.log.read_text()[-3000:]}")
 
     def kill(self) -> None:

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from renderfarm.jobs import JobSpec
+from renderfarm.jobs import JobError, JobSpec
 from tests.conftest import STEPS
 from worker.engine import Engine, ShapeKey
 from worker.executables import ExecutableStore
@@ -82,3 +82,18 @@ def test_an_unreadable_saved_program_is_compiled_again(store: ExecutableStore, s
     assert broken.loaded == 0
     np.testing.assert_array_equal(image, sd_engine.render([spec(sd_model)])[0].image)
     assert not any(broken.folder.iterdir())  # the broken entry is gone, not tried again
+
+
+def test_weights_that_do_not_match_their_config_are_refused_by_name(store: ExecutableStore,
+                                                                    sd_model: LoadedModel) -> None:
+    """The loader leaves the weights' shapes to the engine: neither a saved program nor a
+    fresh compile runs a checkpoint whose tensors do not fit the architecture."""
+    unet = {**sd_model.params["unet"], "conv_in": {**sd_model.params["unet"]["conv_in"]}}
+    unet["conv_in"]["bias"] = np.zeros(unet["conv_in"]["bias"].shape[0] + 1, np.float32)
+    broken = dataclasses.replace(sd_model, params={**sd_model.params, "unet": unet})
+    loaded_before = store.loaded
+    engine = Engine(broken, executables=store)
+    with pytest.raises(JobError) as err:
+        engine.compiled(engine.check(spec(sd_model)))
+    assert err.value.field == "model" and "conv_in" in err.value.rule and "bias" in err.value.rule
+    assert store.loaded == loaded_before + 1  # the saved program was read, and then not used

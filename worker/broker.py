@@ -1,41 +1,119 @@
-"""kombu's Redis transport, with less Redis work per message for a worker that acks in batches.
+"""kombu's Redis transport, with messages popped and recorded as unacked in one atomic step,
+several at a time, and less Redis work per message for a worker that acks in batches.
 
+- Deliveries: stock kombu BRPOPs one message, then records it in the unacked hash and index
+  from Python; a worker killed between the two loses the message. Here a Lua script (EVAL,
+  atomic) pops up to the prefetch credit (at most MAX_POP) from the queue's priority lists
+  and records each one before returning them all, so a message is always either in its
+  queue or in the unacked hash, from where kombu's restore brings it back after the
+  visibility timeout. One round trip per batch of messages instead of two per message.
+- Waiting: a script cannot block. After an empty reply the next EVAL is pipelined behind
+  `BLMOVE list list RIGHT RIGHT wait` on the list jobs without a priority land on
+  (renderfarm.queue.redis_priority): a server-side wait that leaves the list as it is and
+  returns as soon as a job lands there. Jobs of other priorities are seen when the wait
+  ends; it starts at FIRST_WAIT once the queue drains and doubles up to `brpop_timeout`
+  (1 s). Measured with tests/test_broker.py's event-loop consumer: an idle worker sends 1.8
+  commands a second (stock kombu: one BRPOP), a lone default-priority job arrives in 8 ms,
+  one of another priority in at most 1.1 s. The other way, a client-side back-off with no
+  command in flight between polls, costs one EVAL a second but makes every lone job wait
+  up to the back-off (0.5 s on average), and kombu's blocking `drain_events()` would wait
+  on a socket with nothing to answer. The wait keeps `maybe_check_brpop_health` quiet: a
+  reply is due within `brpop_timeout`, as for BRPOP.
 - Acks: stock kombu removes each acked message from the unacked index in its own round
   trip; a worker acks a stored batch together, so here they go in one pipeline per
   event-loop tick. A worker that dies between an ack and the flush leaves those messages
   unacked; they are delivered again after the visibility timeout and the worker that gets
   them finds their results stored (at least once, as before).
-- Deliveries are recorded in the unacked index without MULTI/EXEC.
 - One redis-py client serves the channel's bookkeeping; stock kombu builds one per call.
+
+With `global_keyprefix` set the channel consumes as stock kombu does (BRPOP).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterator
 from functools import cached_property
+from queue import Empty
 from typing import Any
 
 from kombu.transport import redis, virtual
-from kombu.utils.json import dumps
+from kombu.utils.encoding import bytes_to_str
+from kombu.utils.json import dumps, loads
+
+from renderfarm.queue import redis_priority
+
+log = logging.getLogger(__name__)
+
+MAX_POP = 64  # messages per round trip, when the prefetch credit allows as many
+FIRST_WAIT = 0.05  # seconds of the first server-side wait once the queue is drained
+
+# KEYS: the priority lists in consuming order, then the unacked index and hash.
+# ARGV: the time to record (the client's: kombu's restore compares it with its own clock),
+# the most messages to pop. Returns {list, item, tag} triples; tag is '' for an item that is
+# not a kombu message (not recorded). The shebang makes a server out of memory refuse the
+# whole script instead of failing it after a pop.
+POP_AND_RECORD = """#!lua
+local index, unacked = KEYS[#KEYS - 1], KEYS[#KEYS]
+local now, limit = ARGV[1], tonumber(ARGV[2])
+
+local function delivery(item)
+  local ok, payload = pcall(cjson.decode, item)
+  if not ok or type(payload) ~= 'table' or type(payload.properties) ~= 'table' then return end
+  local properties = payload.properties
+  local info = properties.delivery_info
+  if type(properties.delivery_tag) == 'string' and type(info) == 'table'
+      and type(info.exchange) == 'string' and type(info.routing_key) == 'string' then
+    return properties.delivery_tag, info.exchange, info.routing_key
+  end
+end
+
+local popped = {}
+for i = 1, #KEYS - 2 do
+  local left = limit - #popped
+  if left <= 0 then break end
+  for _, item in ipairs(redis.call('RPOP', KEYS[i], left) or {}) do
+    local tag, exchange, routing_key = delivery(item)
+    if tag then
+      redis.call('ZADD', index, now, tag)
+      -- kombu's record, [payload, exchange, routing_key], around the payload's own bytes
+      redis.call('HSET', unacked, tag,
+                 '[' .. item .. ',' .. cjson.encode(exchange) .. ',' .. cjson.encode(routing_key) .. ']')
+    end
+    popped[#popped + 1] = {KEYS[i], item, tag or ''}
+  end
+end
+return popped
+"""
 
 
 class QoS(redis.QoS):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._acked: list[str] = []
+        self.prerecorded: set[str] = set()  # tags the pop script recorded, not yet appended
 
     def append(self, message: Any, delivery_tag: str) -> None:
-        """kombu's record of a delivered message, in a plain pipeline: MULTI/EXEC buys
-        nothing here (the restore scan only takes entries older than the visibility
-        timeout, never one being written)."""
-        delivery = message.delivery_info
-        self.channel._shared_client.pipeline(transaction=False) \
-            .zadd(self.unacked_index_key, {delivery_tag: time.time()}) \
-            .hset(self.unacked_key, delivery_tag, dumps([message._raw, delivery["exchange"], delivery["routing_key"]])) \
-            .execute()
+        """kombu's record of a delivered message, unless the pop script wrote it already;
+        in a plain pipeline: MULTI/EXEC buys nothing here (the restore scan only takes
+        entries older than the visibility timeout, never one being written)."""
+        if delivery_tag in self.prerecorded:
+            self.prerecorded.discard(delivery_tag)
+        else:
+            delivery = message.delivery_info
+            record = dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
+            self.channel._shared_client.pipeline(transaction=False) \
+                .zadd(self.unacked_index_key, {delivery_tag: time.time()}) \
+                .hset(self.unacked_key, delivery_tag, record) \
+                .execute()
         virtual.QoS.append(self, message, delivery_tag)
+
+    def pop_limit(self) -> int:
+        """How many messages one pop may take: the prefetch credit, at most MAX_POP."""
+        credit = self.can_consume_max_estimate()
+        return MAX_POP if credit is None else max(1, min(credit, MAX_POP))
 
     def ack(self, delivery_tag: str) -> None:
         self._acked.append(delivery_tag)
@@ -54,6 +132,10 @@ class QoS(redis.QoS):
 class Channel(redis.Channel):
     QoS = QoS
 
+    _idle_wait = 0.0  # seconds the next pop waits server-side first (0: the last one got messages)
+    _sent: tuple[str, ...] = ()  # the commands whose replies the next read parses
+    _refused_until = 0.0  # monotonic time before which no pop is sent (Redis refused the last)
+
     @cached_property
     def _shared_client(self) -> Any:
         return self._create_client()
@@ -63,6 +145,89 @@ class Channel(redis.Channel):
         """One client (its pool is thread-safe) instead of a new one per call: building a
         redis-py client costs more than the pipelined write it is made for."""
         yield client or self._shared_client
+
+    def _brpop_start(self, timeout: float | None = None) -> None:
+        """Send the pop script over the priority lists in kombu's order (after an empty
+        reply, behind a server-side wait); `_brpop_read` reads what it returns."""
+        if self.global_keyprefix:
+            return super()._brpop_start(timeout)
+        if time.monotonic() < self._refused_until:
+            return None
+        queues = self._queue_cycle.consume(len(self.active_queues))
+        if not queues:
+            return None
+        keys = [self._q_for_pri(queue, pri) for pri in self.priority_steps for queue in queues]
+        commands = [("EVAL", POP_AND_RECORD, len(keys) + 2, *keys, self.unacked_index_key,
+                     self.unacked_key, time.time(), self.qos.pop_limit())]
+        if self._idle_wait:
+            wait_on = self._q_for_pri(queues[0], redis_priority(None))
+            commands.insert(0, ("BLMOVE", wait_on, wait_on, "RIGHT", "RIGHT", self._idle_wait))
+        connection = self.client.connection
+        self._in_poll, self._brpop_sent_at = connection, time.monotonic()
+        self._sent = tuple(command[0] for command in commands)
+        connection.send_packed_command(connection.pack_commands(commands))
+        return None
+
+    def _brpop_read(self, **options: Any) -> bool:
+        """Deliver every message the pop script returned; each is already recorded as
+        unacked, so QoS.append does not write it again."""
+        if self.global_keyprefix:
+            return super()._brpop_read(**options)
+        try:
+            replies = self._read_replies()
+        finally:
+            self._in_poll = None
+            self._flush_brpop_reauth()  # the connection is idle: the moment kombu uses
+        popped = [] if isinstance(replies[-1], self.ResponseError) else replies[-1]
+        self._idle_wait = 0.0 if popped else min(max(2 * self._idle_wait, FIRST_WAIT), self.brpop_timeout)
+        self._hold_if_refused(replies)
+        if not popped:
+            raise Empty()
+        self.qos.prerecorded.update(bytes_to_str(tag) for _, _, tag in popped if tag)
+        for key, item, tag in popped:
+            self._deliver_popped(bytes_to_str(key), item, bytes_to_str(tag))
+        return True
+
+    def _read_replies(self) -> list[Any]:
+        """The replies to what `_brpop_start` sent, an error reply as its ResponseError."""
+        connection, replies = self.client.connection, []
+        try:
+            for command in self._sent:
+                try:
+                    replies.append(self.client.parse_response(connection, command))
+                except self.ResponseError as error:
+                    replies.append(error)
+        except self.connection_errors:
+            connection.disconnect()  # the next poll reconnects
+            raise
+        return replies
+
+    def _hold_if_refused(self, replies: list[Any]) -> None:
+        """A refused command (a server out of memory refuses the wait and the script, and
+        then waits no time at all) holds the next pop back for the idle wait, so it
+        cannot spin; the messages stay in their lists meanwhile."""
+        refused = [reply for reply in replies if isinstance(reply, self.ResponseError)]
+        if refused:
+            log.warning("Redis refused the pop, retried in %.2fs: %s", self._idle_wait, refused[0])
+            self._refused_until = time.monotonic() + self._idle_wait
+
+    def _deliver_popped(self, key: str, item: bytes, tag: str) -> None:
+        """Hand one popped message to its consumer. One kombu cannot read (it did not come
+        from a kombu producer) is dropped with an error in the log: stock kombu would crash
+        the consumer on it, and it cannot be restored."""
+        try:
+            payload = loads(bytes_to_str(item)) if tag else None
+        except ValueError:
+            payload = None
+        if payload is None:
+            log.error("dropped an item of %r that is not a kombu message: %r", key, item[:1000])
+            if tag:
+                self.qos.prerecorded.discard(tag)
+                self.qos._remove_from_indices(tag).execute()
+            return
+        queue = key.rsplit(self.sep, 1)[0]
+        self._queue_cycle.rotate(queue)
+        self.connection._deliver(payload, queue)
 
     def close(self) -> None:
         if not self.closed:

@@ -42,11 +42,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
     shapes = parse_shapes(args.precompile or "")
     settings = Settings.from_env(broker_url=args.broker)
     cache = enable_compilation_cache(args.compile_cache)
+    started = time.perf_counter()
     model = load_model(args.model, args.dtype)
+    log = logging.getLogger("renderfarm.worker")
+    log.info("%s (%s) loaded in %.1fs", model.ref, model.dtype, time.perf_counter() - started)
     engine = (Engine(model, per_device_batch=args.per_device_batch,
                      executables=ExecutableStore(cache / "executables")) if args.stand_in is None
               else StandInEngine(model, args.stand_in, per_device_batch=args.per_device_batch))
-    log = logging.getLogger("renderfarm.worker")
     for width, height, steps, scheduler in shapes:
         started = time.perf_counter()
         key = engine.check(JobSpec(prompt="-", model=model.ref, seed=0, steps=steps, width=width,
@@ -80,7 +82,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     worker.add_argument("--dtype", choices=DTYPES, default="float32")
     worker.add_argument("--per-device-batch", type=int, default=1)
     worker.add_argument("--max-wait", type=float, default=2.0,
-                        help="seconds a partial batch waits for more jobs before it renders")
+                        help="seconds a partial batch waits for more jobs while the devices are busy "
+                             "(idle devices take it once no job has come for 50 ms)")
     worker.add_argument("--broker", help="default: $RENDERFARM_BROKER_URL or redis://localhost:6379/0")
     worker.add_argument("--precompile", metavar="WxH@STEPS[:SCHED],...",
                         help="shapes to compile before consuming anything")

@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.errors import FlaxError
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from renderfarm.jobs import JobError, JobSpec
@@ -79,6 +80,19 @@ def enable_compilation_cache(folder: str | os.PathLike | None = None) -> Path:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return path
+
+
+def _weights_mismatch(params: Any, expected: Any) -> str | None:
+    """The first parameter whose shape or dtype differs from what a program takes, if any."""
+    def table(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+        return {jax.tree_util.keystr(path): (tuple(leaf.shape), str(leaf.dtype))
+                for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+    have, want = table(params), table(expected)
+    for path in sorted(have.keys() | want.keys()):
+        if have.get(path) != want.get(path):
+            return f"parameter {path} is {have.get(path)}, the program takes {want.get(path)}"
+    return None
 
 
 def _as_dict(config: Any) -> dict[str, Any]:
@@ -207,7 +221,10 @@ class Engine:
         name = self._program_name(key) if key not in self._compiled and self.executables is not None else None
         if name is not None:
             saved = self.executables.load(name, self.devices)
-            if saved is not None:
+            mismatch = None if saved is None else _weights_mismatch(self._params, saved[0].args_info[0][0])
+            if mismatch:
+                log.warning("%s: saved executable not used: %s", key, mismatch)
+            elif saved is not None:
                 log.info("%s: saved executable loaded", key)
                 self._compiled[key], self._flops[key] = saved[0], saved[1]["flops"]
         if key not in self._compiled:
@@ -220,7 +237,11 @@ class Engine:
                                out_specs=BATCH, check_vma=False)
             start, hits = time.perf_counter(), JAX_EVENTS[CACHE_HIT]
             with quiet_diffusers():
-                self._compiled[key] = jax.jit(fn).lower(self._params, state, self._abstract_inputs()).compile()
+                try:
+                    lowered = jax.jit(fn).lower(self._params, state, self._abstract_inputs())
+                except FlaxError as err:  # the model loader leaves the weights' shapes to this
+                    raise JobError("model", self.model.ref, f"weights do not match its config: {err}") from err
+                self._compiled[key] = lowered.compile()
             self.compile_seconds += time.perf_counter() - start
             from_cache = JAX_EVENTS[CACHE_HIT] - hits
             self.cache_hits += from_cache

@@ -39,6 +39,9 @@ log = logging.getLogger("renderfarm.worker")
 
 
 GALLERY_QUIET = 2.0  # seconds without a stored batch before galleries are brought up to date
+# Seconds without an arriving job after which idle devices take a partial batch: while the
+# queue has jobs, kombu delivers them well under a millisecond apart.
+QUEUE_QUIET = 0.05
 
 
 class JobFailed(Exception):
@@ -76,6 +79,7 @@ class Processor:
                                   on_stored=self._stored, on_failed=self._store_failed)
         self._jobs: dict[str, list[Job]] = {}  # job id -> its requests being stored
         self._inflight: tuple[InFlight, list[Job]] | None = None
+        self._idle_since = time.monotonic()
         # Galleries are rebuilt on their own thread (a refresh reads the whole manifest):
         # throttled while a campaign runs, and once more when the worker has had nothing
         # to do for GALLERY_QUIET seconds.
@@ -211,7 +215,7 @@ class Processor:
         if self._inflight is None:
             return
         started, batch = self._inflight
-        self._inflight = None
+        self._inflight, self._idle_since = None, time.monotonic()
         try:
             rendered = self.engine.collect(started)
         except Exception:  # noqa: BLE001
@@ -234,6 +238,10 @@ class Processor:
         for job in jobs:
             self._jobs.setdefault(job.spec.job_id, []).append(job)  # type: ignore[union-attr]
         self.writer.submit(rendered)  # stored and acked while the next batch renders
+
+    def idle_seconds(self) -> float:
+        """How long the devices have had no batch (0 while they have one)."""
+        return 0.0 if self._inflight is not None else time.monotonic() - self._idle_since
 
     def poll(self) -> None:
         """Collect a finished batch and ack what has been stored (on the consumer's timer)."""
@@ -272,16 +280,24 @@ class Gatherer:
     interleave on the queue. A key's batch runs when it is full, when its first job has
     waited `max_wait` seconds of the worker's free time (time spent waiting for the
     devices does not count: no message can arrive then), or when `patience` batches of
-    other keys have run since that job came, so no shape starves behind busier ones."""
+    other keys have run since that job came, so no shape starves behind busier ones.
+    And when for `quiet` seconds the devices have been idle and no job has come, the
+    oldest partial batch runs at once: waiting would only delay it, since while the
+    devices are busy the next jobs gather anyway (a lone job is rendered without
+    `max_wait`). Both clocks count, because a consumer starved by a rendering batch
+    receives nothing until the devices are done, though the queue may hold plenty."""
 
-    def __init__(self, processor: Processor, batch_size: int, max_wait: float, patience: int) -> None:
+    def __init__(self, processor: Processor, batch_size: int, max_wait: float, patience: int,
+                 quiet: float = QUEUE_QUIET) -> None:
         self.processor, self.batch_size, self.max_wait, self.patience = processor, batch_size, max_wait, patience
+        self.quiet, self.last_arrival = quiet, time.monotonic()
         self.buffers: dict[ShapeKey | None, list[Job]] = {}
         self.deadlines: dict[ShapeKey | None, float] = {}
         self.since: dict[ShapeKey | None, int] = {}  # batches run when the key's first job came
         self.ran = 0
 
     def add(self, job: Job) -> None:
+        self.last_arrival = time.monotonic()
         key = self.processor.classify(job)
         if key not in self.buffers:
             self.buffers[key], self.since[key] = [], self.ran
@@ -295,6 +311,8 @@ class Gatherer:
         for key in [k for k, deadline in self.deadlines.items() if deadline <= now]:
             if key in self.buffers:
                 self.flush(key)
+        if self.buffers and min(self.processor.idle_seconds(), now - self.last_arrival) >= self.quiet:
+            self.flush(min(self.deadlines, key=self.deadlines.__getitem__))
 
     def flush(self, key: ShapeKey | None) -> None:
         batch = self.buffers.pop(key)

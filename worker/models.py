@@ -136,6 +136,29 @@ def resolve(ref: str) -> tuple[Path, str | None]:
     return folder, folder.name  # a snapshot folder is named by its commit
 
 
+def _diffusers_models(folder: Path, index: dict[str, Any], dtype: Any) -> dict[str, tuple[Any, Any]]:
+    """The pipeline's diffusers models (UNet, VAE) built from their configs, with their
+    weights as stored. diffusers' own loader traces each model's initialisation under
+    `jax.eval_shape` to check the weights' shapes, which is most of a warm worker's
+    start-up; here the engine checks them against the compiled program instead
+    (`Engine.compiled`), and a fresh compile fails on a mismatch with flax's error."""
+    import diffusers
+    from diffusers.models.modeling_flax_utils import FlaxModelMixin
+    from diffusers.utils import FLAX_WEIGHTS_NAME
+    from flax.serialization import msgpack_restore
+
+    models = {}
+    for name, entry in index.items():
+        weights = folder / name / FLAX_WEIGHTS_NAME
+        if not isinstance(entry, list) or entry[0] != "diffusers" or not weights.is_file():
+            continue
+        cls = getattr(diffusers, entry[1] if entry[1].startswith("Flax") else f"Flax{entry[1]}", None)
+        if isinstance(cls, type) and issubclass(cls, FlaxModelMixin):
+            module = cls.from_config(cls.load_config(folder / name), dtype=dtype)
+            models[name] = (module, msgpack_restore(weights.read_bytes()))
+    return models
+
+
 def load_model(ref: str, dtype: str = "float32") -> LoadedModel:
     """Load a diffusers Flax pipeline; with bfloat16 the weights are cast but the scheduler
     state stays float32 (its small values lose too much in bfloat16)."""
@@ -153,9 +176,12 @@ def load_model(ref: str, dtype: str = "float32") -> LoadedModel:
 
     with quiet_diffusers():
         try:
-            pipe, params = FlaxDiffusionPipeline.from_pretrained(str(folder), dtype=DTYPES[dtype], **kwargs)
+            models = _diffusers_models(folder, json.loads(index.read_text()), DTYPES[dtype])
+            pipe, params = FlaxDiffusionPipeline.from_pretrained(
+                str(folder), dtype=DTYPES[dtype], **kwargs, **{name: module for name, (module, _) in models.items()})
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise JobError("model", ref, f"must be a loadable diffusers Flax pipeline ({err})") from err
+    params.update({name: weights for name, (_, weights) in models.items()})
     if dtype == "bfloat16":
         params = {k: v if k == "scheduler" else jax.tree.map(lambda x: x.astype(jnp.bfloat16), v)
                   for k, v in params.items()}

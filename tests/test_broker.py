@@ -1,0 +1,240 @@
+"""The worker's Redis transport (worker.broker) through real kombu connections against a real
+redis-server: what it delivers, what it records as unacked and when, what it costs Redis."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import redis
+from kombu import Connection, Exchange, Queue
+from kombu.asynchronous import Hub
+
+from renderfarm.queue import PRIORITY_STEPS, redis_priority
+from tests.redis_server import RedisServer
+
+TRANSPORT = "worker.broker:Transport"
+# As renderfarm.queue configures it, with a short visibility timeout and a restore scan on
+# every empty poll (the sync path) so restores show within seconds.
+OPTIONS = {"priority_steps": PRIORITY_STEPS, "queue_order_strategy": "priority",
+           "visibility_timeout": 1, "unacked_restore_throttle": 1}
+QUEUE = Queue("jobs", Exchange("jobs"), "jobs")
+
+
+@contextmanager
+def connect(url: str, transport: str = TRANSPORT, **options: Any) -> Iterator[Connection]:
+    with Connection(url, transport=transport, transport_options={**OPTIONS, **options}) as conn:
+        yield conn
+
+
+def publish(url: str, messages: list[tuple[str, int | None]]) -> None:
+    """As a producer does: stock kombu, one message per (body, priority)."""
+    with connect(url, transport="redis") as conn:
+        producer = conn.Producer()
+        for body, priority in messages:
+            producer.publish(body, exchange=QUEUE.exchange, routing_key=QUEUE.routing_key, declare=[QUEUE],
+                             priority=priority)
+
+
+def queued(r: redis.Redis) -> int:
+    return sum(r.llen(key) for key in r.scan_iter(f"{QUEUE.name}*"))
+
+
+def calls(r: redis.Redis, *commands: str) -> int:
+    """Commands Redis has run or refused (a script's own calls count under their names)."""
+    stats = r.info("commandstats")
+    return sum(stats.get(f"cmdstat_{command}", {}).get(count, 0)
+               for command in commands for count in ("calls", "rejected_calls"))
+
+
+def drain(conn: Connection, until: Callable[[], bool], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not until() and time.monotonic() < deadline:
+        try:
+            conn.drain_events(timeout=0.2)
+        except socket.timeout:
+            pass
+
+
+def run_hub(hub: Hub, seconds: float, until: Callable[[], bool] = lambda: False) -> None:
+    loop, deadline = hub.create_loop(), time.monotonic() + seconds
+    while not until() and time.monotonic() < deadline:
+        next(loop)
+
+
+@contextmanager
+def hub_consumer(url: str, on_message: Callable[[Any, Any], None], **options: Any) -> Iterator[Hub]:
+    """A consumer on kombu's event loop, as in a Celery worker (whose timer ticks every 50 ms)."""
+    with connect(url, **options) as conn, conn.Consumer(QUEUE, callbacks=[on_message]):
+        hub = Hub()
+        hub.call_repeatedly(0.05, lambda: None)
+        conn.register_with_event_loop(hub)
+        try:
+            yield hub
+        finally:
+            hub.close()
+
+
+def test_priority_order_fifo_and_recorded_as_unacked_when_delivered(broker: str, redis_server: RedisServer) -> None:
+    r = redis_server.client()
+    sent = [(f"m{i}", priority) for i, priority in enumerate([5, 0, 9, 5, 0, None, 9, 4])]
+    publish(broker, sent)
+    seen = []
+
+    def on_message(body: str, message: Any) -> None:
+        record = r.hget("unacked", message.delivery_tag)
+        assert record is not None and r.zscore("unacked_index", message.delivery_tag) is not None
+        assert json.loads(record) == [message._raw, "jobs", "jobs"]  # what kombu's restore reads
+        seen.append(message)
+
+    with connect(broker) as conn, conn.Consumer(QUEUE, callbacks=[on_message]) as consumer:
+        drain(conn, lambda: len(seen) == len(sent), 5)
+        assert [m.payload for m in seen] == [body for body, _ in sorted(sent, key=lambda s: s[1] or 0)]
+        for message in seen[:5]:
+            message.ack()
+        consumer.channel.qos.flush_acks()
+        assert set(r.hkeys("unacked")) == {m.delivery_tag.encode() for m in seen[5:]}
+        assert r.zcard("unacked_index") == 3
+        assert consumer.channel.qos.prerecorded == set()
+
+
+def test_many_messages_in_one_round_trip_within_the_prefetch(broker: str, redis_server: RedisServer) -> None:
+    r = redis_server.client()
+    publish(broker, [(f"m{i}", i % 3) for i in range(40)])
+    received: list[Any] = []
+    acking = False
+
+    def on_message(_: str, message: Any) -> None:
+        received.append(message)
+        if acking:
+            message.ack()
+
+    before = calls(r, "eval", "brpop", "hset")
+    with connect(broker) as conn, conn.Consumer(QUEUE, callbacks=[on_message], prefetch_count=16):
+        conn.drain_events(timeout=2)
+        assert len(received) == 16 and queued(r) == 24  # one reply, as many as the prefetch allows
+        # one EVAL, each message recorded once (by the script; QoS.append does not write again)
+        assert calls(r, "eval", "brpop", "hset") - before == 1 + 16
+        for message in received:
+            message.ack()
+        acking = True
+        drain(conn, lambda: len(received) == 40, 5)
+    assert len(received) == 40
+
+
+def test_popped_by_a_consumer_killed_before_it_reads_the_reply_comes_back(broker: str,
+                                                                          redis_server: RedisServer) -> None:
+    """The gap stock kombu has: a consumer killed with popped messages still in its socket."""
+    r = redis_server.client()
+    publish(broker, [(f"m{i}", None) for i in range(5)])
+    victim = textwrap.dedent(f"""
+        import os, signal, time
+        import redis
+        from kombu import Connection
+        from tests.test_broker import OPTIONS, QUEUE
+        r = redis.Redis(port={redis_server.port})
+        with Connection({broker!r}, transport={TRANSPORT!r}, transport_options=OPTIONS) as conn:
+            with conn.Consumer(QUEUE, callbacks=[]) as consumer:
+                conn.transport.cycle._register_BRPOP(consumer.channel)  # sends the pop; never read
+                while sum(r.llen(k) for k in r.scan_iter("jobs*")):
+                    time.sleep(0.01)
+                os.kill(os.getpid(), signal.SIGKILL)
+        """)
+    assert subprocess.run([sys.executable, "-c", victim], timeout=60).returncode == -9
+    assert queued(r) == 0 and r.hlen("unacked") == 5
+    received: list[Any] = []
+    with connect(broker) as conn, conn.Consumer(QUEUE, callbacks=[lambda _, m: received.append(m)]) as consumer:
+        drain(conn, lambda: len(received) == 5, 10)  # after the visibility timeout (1 s)
+        assert sorted(m.payload for m in received) == [f"m{i}" for i in range(5)]
+        assert all(m.delivery_info["redelivered"] for m in received)
+        for message in received:
+            message.ack()
+        consumer.channel.qos.flush_acks()
+    assert r.hlen("unacked") == r.zcard("unacked_index") == 0
+
+
+def test_rejected_message_is_requeued_and_delivered_again(broker: str, redis_server: RedisServer) -> None:
+    publish(broker, [("again", None)])
+    received: list[Any] = []
+    with connect(broker) as conn, conn.Consumer(QUEUE, callbacks=[lambda _, m: received.append(m)]):
+        drain(conn, lambda: len(received) == 1, 5)
+        received[0].reject(requeue=True)
+        drain(conn, lambda: len(received) == 2, 5)
+    assert [m.payload for m in received] == ["again", "again"]
+    assert received[1].delivery_info["redelivered"]
+
+
+def test_items_that_are_not_kombu_messages_are_dropped_and_the_rest_delivered(
+        broker: str, redis_server: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
+    r = redis_server.client()
+    publish(broker, [("first", None)])
+    # garbage, no delivery tag, and one only Lua's JSON decoder accepts (hex): recorded, then dropped
+    lenient = ('{"properties": {"delivery_tag": "hex", "delivery_info": {"exchange": "jobs", "routing_key": "jobs"}},'
+               ' "x": 0x10}')
+    r.lpush(QUEUE.name, b'{"not json', b'{"properties": {}}', lenient)
+    publish(broker, [("last", None)])
+    received: list[Any] = []
+    with caplog.at_level(logging.ERROR, "worker.broker"), connect(broker) as conn, \
+            conn.Consumer(QUEUE, callbacks=[lambda _, m: received.append(m)]):
+        drain(conn, lambda: len(received) == 2, 5)
+        assert [m.payload for m in received] == ["first", "last"]
+        assert queued(r) == 0
+        assert set(r.hkeys("unacked")) == {m.delivery_tag.encode() for m in received}
+        assert r.zscore("unacked_index", "hex") is None
+    assert sum("not a kombu message" in record.message for record in caplog.records) == 3
+
+
+def test_idle_consumer_waits_in_redis_and_wakes_for_a_job(broker: str, redis_server: RedisServer) -> None:
+    r = redis_server.client()
+    received: list[tuple[float, str]] = []
+    with hub_consumer(broker, lambda body, m: (received.append((time.monotonic(), body)), m.ack())) as hub:
+        run_hub(hub, 3)  # the waits grow to 1 s
+        before = calls(r, "eval", "blmove", "brpop")
+        run_hub(hub, 4)
+        assert calls(r, "eval", "blmove", "brpop") - before <= 10  # a wait and a pop a second
+        for priority, latency in ((redis_priority(None), 0.3), (0, 1.5)):  # the waited list, another
+            sent = time.monotonic()
+            publish(broker, [(f"p{priority}", priority)])
+            run_hub(hub, 3, until=lambda p=priority: bool(received) and received[-1][1] == f"p{p}")
+            assert received[-1][1] == f"p{priority}" and received[-1][0] - sent < latency
+            run_hub(hub, 2.5)
+
+
+def test_a_server_out_of_memory_keeps_the_messages_queued_and_is_not_hammered(
+        broker: str, redis_server: RedisServer) -> None:
+    r = redis_server.client()
+    publish(broker, [(f"m{i}", None) for i in range(3)])
+    received: list[Any] = []
+    with hub_consumer(broker, lambda _, m: received.append(m), unacked_restore_interval=60) as hub:
+        r.config_set("maxmemory", 1)
+        try:
+            before = calls(r, "eval", "blmove")
+            run_hub(hub, 3)
+            assert received == [] and queued(r) == 3
+            assert 1 <= calls(r, "eval", "blmove") - before <= 20  # refused at once, retried after a wait
+        finally:
+            r.config_set("maxmemory", 0)
+        run_hub(hub, 3, until=lambda: len(received) == 3)
+    assert len(received) == 3
+
+
+def test_with_a_global_key_prefix_it_consumes_as_stock_kombu(broker: str, redis_server: RedisServer) -> None:
+    r = redis_server.client()
+    received: list[Any] = []
+    with connect(broker, global_keyprefix="pfx:") as conn, \
+            conn.Consumer(QUEUE, callbacks=[lambda _, m: received.append(m)]):
+        conn.Producer().publish("hello", exchange=QUEUE.exchange, routing_key=QUEUE.routing_key)
+        evals, brpops = calls(r, "eval"), calls(r, "brpop")
+        drain(conn, lambda: bool(received), 5)
+        assert [m.payload for m in received] == ["hello"]
+        assert r.hexists("pfx:unacked", received[0].delivery_tag)
+        assert calls(r, "eval") == evals and calls(r, "brpop") > brpops
