@@ -40,7 +40,7 @@ log = logging.getLogger("renderfarm.worker")
 
 GALLERY_QUIET = 2.0  # seconds without a stored batch before galleries are brought up to date
 # Seconds without an arriving job after which idle devices take a partial batch: while the
-# queue has jobs, kombu delivers them well under a millisecond apart.
+# queue has jobs, the worker's pop (worker.broker) brings them in far quicker than that.
 QUEUE_QUIET = 0.05
 
 
