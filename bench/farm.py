@@ -27,7 +27,7 @@ import redis  # noqa: E402
 
 from producer import submit  # noqa: E402
 from renderfarm.progress import key  # noqa: E402
-from tests.farm import WorkerProcess, farm_app  # noqa: E402
+from tests.farm import WorkerProcess, farm_app, wait_for  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
 SUBMIT_TARGET = 2000  # jobs/s
@@ -71,12 +71,9 @@ def cpu_seconds(pid: int) -> float:
 def done_at_least(client: redis.Redis, n: int, timeout: float) -> tuple[float, int]:
     """When the bench campaign first had n jobs done, and how many: polled every 10 ms (one
     SCARD: cheap beside the worker), so the figures' grain is small beside a run."""
-    deadline, done_key = time.perf_counter() + timeout, key("bench", "done")
-    while (done := client.scard(done_key)) < n:
-        if time.perf_counter() > deadline:
-            raise RuntimeError(f"{done} of {n} jobs done after {timeout} s")
-        time.sleep(0.01)
-    return time.perf_counter(), done
+    done_key = key("bench", "done")
+    wait_for(lambda: client.scard(done_key) >= n, timeout, f"{n} jobs", interval=0.01)
+    return time.perf_counter(), client.scard(done_key)
 
 
 def farm_rate(model: Path, tmp: Path, n: int, steps: int, stand_in: float | None,

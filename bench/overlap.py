@@ -59,9 +59,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="rf-bench-") as tmp:
         model = build_tiny_model(Path(tmp) / "tiny-sd")
         # The bare rate before and after the farm, so a drift of the machine shows and averages out.
-        (before, cpu_before), (farm, cpu_ms) = (bare_rate(model, args.jobs, args.steps),
-                                                farm_rate(model, Path(tmp), args.jobs, args.steps, stand_in=None,
-                                                          size=SIZE))
+        before, cpu_before = bare_rate(model, args.jobs, args.steps)
+        farm, cpu_ms = farm_rate(model, Path(tmp), args.jobs, args.steps, stand_in=None, size=SIZE)
         after, cpu_after = bare_rate(model, args.jobs, args.steps)
     bare, bare_cpu = (before + after) / 2, (cpu_before + cpu_after) / 2
     print(f"tiny SD {SIZE}x{SIZE} {args.steps} steps, {args.jobs} images, 8 devices: farm {farm:.2f} images/s, "

@@ -25,7 +25,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 from renderfarm.jobs import JobSpec  # noqa: E402
 from renderfarm.progress import Progress  # noqa: E402
 from renderfarm.storage import open_storage, sidecar_name  # noqa: E402
-from tests.farm import WorkerProcess, enqueue, farm_app  # noqa: E402
+from tests.farm import WorkerProcess, enqueue, farm_app, wait_for  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
 SHAPES = "64x64@25,128x128@25"
@@ -40,7 +40,7 @@ def phases(log: Path, started: float, stored: float) -> str:
     """Seconds each phase of the start took, from the worker's log timestamps (wall clock,
     millisecond grain): imports and model load, the precompiled shapes, Celery, and from
     consuming to the first stored image (the job's batch, its first run, storing)."""
-    ends: dict[str, float] = {}
+    ends = {"first image": stored}
     for line in log.read_text().splitlines():
         match = LOG_LINE.match(line)
         for marker, phase in PHASES.items() if match else ():
@@ -49,7 +49,7 @@ def phases(log: Path, started: float, stored: float) -> str:
                 ends[phase] = datetime.datetime.strptime(match[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()  # type: ignore[index]
     previous, parts = started, []
     for phase in [*PHASES.values(), "first image"]:
-        end = ends.get(phase, stored if phase == "first image" else previous)
+        end = ends.get(phase, previous)
         parts.append(f"{phase} {end - previous:.1f}")
         previous = end
     return ", ".join(parts)
@@ -67,11 +67,8 @@ def first_image_seconds(model: Path, tmp: Path, cache: Path, run: str) -> tuple[
                            env={"RENDERFARM_COMPILE_CACHE": str(cache)})
     try:
         storage = open_storage(str(out))
-        deadline = started + 600
-        while not storage.exists(sidecar_name("warm", spec.job_id)):  # every 10 ms: the figure's grain
-            if time.perf_counter() > deadline:
-                raise RuntimeError(f"no image after 600 s: {worker.log.read_text()[-3000:]}")
-            time.sleep(0.01)
+        # every 10 ms: the figure's grain
+        wait_for(lambda: storage.exists(sidecar_name("warm", spec.job_id)), 600, "the first image", interval=0.01)
         seconds = time.perf_counter() - started
         return seconds, phases(worker.log, wall, wall + seconds)
     finally:

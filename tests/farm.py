@@ -84,12 +84,12 @@ def publish_raw(broker: str, model: str, body: bytes | str, headers: dict[str, o
                                 headers=headers, content_type=content_type, content_encoding="utf-8")
 
 
-def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
+def wait_for(condition: Callable[[], bool], timeout: float, what: str, interval: float = 0.25) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if condition():
             return
-        time.sleep(0.25)
+        time.sleep(interval)
     raise AssertionError(f"timed out waiting for {what}")
 
 

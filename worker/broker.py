@@ -12,13 +12,13 @@ several at a time, and less Redis work per message for a worker that acks in bat
   (renderfarm.queue.redis_priority): a server-side wait that leaves the list as it is and
   returns as soon as a job lands there. Jobs of other priorities are seen when the wait
   ends; it starts at FIRST_WAIT once the queue drains and doubles up to `brpop_timeout`
-  (1 s). Measured with tests/test_broker.py's event-loop consumer: an idle worker sends 1.8
-  commands a second (stock kombu: one BRPOP), a lone default-priority job arrives in 8 ms,
-  one of another priority in at most 1.1 s. The other way, a client-side back-off with no
-  command in flight between polls, costs one EVAL a second but makes every lone job wait
-  up to the back-off (0.5 s on average), and kombu's blocking `drain_events()` would wait
-  on a socket with nothing to answer. The wait keeps `maybe_check_brpop_health` quiet: a
-  reply is due within `brpop_timeout`, as for BRPOP.
+  (1 s). So an idle worker sends a wait and a pop a second (stock kombu: one BRPOP), a
+  lone default-priority job wakes it at once, and one of another priority waits at most
+  `brpop_timeout` (tests/test_broker.py checks all three). The other way, a client-side
+  back-off with no command in flight between polls, costs one EVAL a second but makes
+  every lone job wait up to the back-off (0.5 s on average), and kombu's blocking
+  `drain_events()` would wait on a socket with nothing to answer. The wait keeps
+  `maybe_check_brpop_health` quiet: a reply is due within `brpop_timeout`, as for BRPOP.
 - Acks: stock kombu removes each acked message from the unacked index in its own round
   trip; a worker acks a stored batch together, so here they go in one pipeline per
   event-loop tick. A worker that dies between an ack and the flush leaves those messages

@@ -168,15 +168,15 @@ def load_model(ref: str, dtype: str = "float32") -> LoadedModel:
     index = folder / "model_index.json"
     if not folder.is_dir() or not index.is_file():
         raise JobError("model", ref, "must be a diffusers pipeline folder (no model_index.json found)")
-    class_name = json.loads(index.read_text()).get("_class_name", "")
-    family = "sdxl" if "XL" in class_name else "sd"
+    components = json.loads(index.read_text())
+    family = "sdxl" if "XL" in components.get("_class_name", "") else "sd"
     kwargs: dict[str, Any] = {} if family == "sdxl" else {"safety_checker": None, "feature_extractor": None}
 
     from diffusers import FlaxDiffusionPipeline
 
     with quiet_diffusers():
         try:
-            models = _diffusers_models(folder, json.loads(index.read_text()), DTYPES[dtype])
+            models = _diffusers_models(folder, components, DTYPES[dtype])
             pipe, params = FlaxDiffusionPipeline.from_pretrained(
                 str(folder), dtype=DTYPES[dtype], **kwargs, **{name: module for name, (module, _) in models.items()})
         except (OSError, ValueError, KeyError, TypeError) as err:
