@@ -18,6 +18,11 @@ $(BIN)/.installed: pyproject.toml requirements.lock
 	$(BIN)/python -m pip install -q -c requirements.lock -e ".[worker,test]"
 	touch $@
 
+# The benchmarks also measure PNG sizes on photographs that scikit-image ships (bench/png.py).
+$(BIN)/.bench-installed: $(BIN)/.installed
+	$(BIN)/python -m pip install -q -c requirements.lock -e ".[worker,test,bench]"
+	touch $@
+
 demo: $(BIN)/.installed
 	$(BIN)/renderfarm tiny-model build/tiny-sd --kind sd
 	$(BIN)/renderfarm render --model build/tiny-sd --prompts examples/prompts.txt \
@@ -31,16 +36,16 @@ system-packages:
 	@command -v redis-server >/dev/null && command -v chromium >/dev/null || \
 		{ $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $(SYSTEM_PACKAGES); }
 
-BENCHMARKS := engine_vs_direct parallelism farm overlap warmstart shapes ingest fleet flops dtype
+BENCHMARKS := engine_vs_direct parallelism farm overlap png warmstart shapes ingest fleet flops dtype
 
-bench: $(BIN)/.installed system-packages
+bench: $(BIN)/.bench-installed system-packages
 	set -e; for name in $(BENCHMARKS); do echo "== bench/$$name.py"; PYTHONPATH=. $(BIN)/python bench/$$name.py; done
 
 # Re-resolve every dependency from scratch and write the lock (run after changing pyproject).
 lock:
 	rm -rf build/lockenv && $(PYTHON) -m venv build/lockenv
 	build/lockenv/bin/python -m pip install -q --upgrade "pip>=24"
-	build/lockenv/bin/python -m pip install -q ".[worker,test]"
+	build/lockenv/bin/python -m pip install -q ".[worker,test,bench]"
 	build/lockenv/bin/python -m pip freeze --exclude renderfarm > requirements.lock
 
 clean:

@@ -15,11 +15,14 @@ Usage: PYTHONPATH=. python bench/farm.py [--parts abc]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import resource
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -68,19 +71,18 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def done_at_least(client: redis.Redis, n: int, timeout: float) -> tuple[float, int]:
-    """When the bench campaign first had n jobs done, and how many: polled every 10 ms (one
+def done_at_least(client: redis.Redis, campaign: str, n: int, timeout: float) -> tuple[float, int]:
+    """When the campaign first had n jobs done, and how many: polled every 10 ms (one
     SCARD: cheap beside the worker), so the figures' grain is small beside a run."""
-    done_key = key("bench", "done")
+    done_key = key(campaign, "done")
     wait_for(lambda: client.scard(done_key) >= n, timeout, f"{n} jobs", interval=0.01)
     return time.perf_counter(), client.scard(done_key)
 
 
-def farm_rate(model: Path, tmp: Path, n: int, steps: int, stand_in: float | None,
-              out: Path | None = None, size: int = 64) -> tuple[float, float]:
-    """Jobs/s of one worker from its first stored job to its last (compile excluded), and
-    the worker's CPU milliseconds per job over the same span: on a shared machine the rate
-    drifts with the neighbours, the CPU per job much less."""
+@contextlib.contextmanager
+def farm_worker(model: Path, tmp: Path, steps: int, stand_in: float | None, out: Path | None = None,
+                size: int = 64) -> Iterator[tuple[RedisServer, WorkerProcess]]:
+    """A redis-server and one ready `renderfarm worker` with the shape precompiled."""
     server = RedisServer(appendonly=False)
     extra = ("--stand-in", str(stand_in)) if stand_in is not None else ()
     run = time.monotonic_ns()
@@ -88,17 +90,36 @@ def farm_rate(model: Path, tmp: Path, n: int, steps: int, stand_in: float | None
                            precompile=f"{size}x{size}@{steps}", extra=extra)
     try:
         worker.wait_ready(farm_app(server.url), timeout=600)
-        client = server.client()
-        submit([f"a lighthouse, variation {i}" for i in range(n)], model=str(model), campaign="bench",
-               seed=0, steps=steps, width=size, height=size, broker=server.url, progress=False)
-        start, first = done_at_least(client, 1, 300)
-        cpu = cpu_seconds(worker.proc.pid)
-        end, _ = done_at_least(client, n, 600)
-        jobs = n - first
-        return jobs / (end - start), 1000 * (cpu_seconds(worker.proc.pid) - cpu) / jobs
+        yield server, worker
     finally:
         worker.stop()
         server.close()
+
+
+def measure_farm(server: RedisServer, model: Path, campaign: str, n: int, steps: int, size: int = 64,
+                 seed: int = 0, measure: Callable[[], Any] = lambda: None) -> tuple[float, int, Any, Any]:
+    """Submit n jobs (seeds from `seed`) to the ready worker; its jobs/s from the first of
+    them stored to the last (compile excluded), how many jobs that span holds, and
+    `measure()` at both its ends. The campaign may hold jobs done before."""
+    client = server.client()
+    before_run = client.scard(key(campaign, "done"))
+    submit([f"a lighthouse, variation {i}" for i in range(n)], model=str(model), campaign=campaign,
+           seed=seed, steps=steps, width=size, height=size, broker=server.url, progress=False)
+    start, first = done_at_least(client, campaign, before_run + 1, 300)
+    before = measure()
+    end, _ = done_at_least(client, campaign, before_run + n, 600)
+    jobs = before_run + n - first
+    return jobs / (end - start), jobs, before, measure()
+
+
+def farm_rate(model: Path, tmp: Path, n: int, steps: int, stand_in: float | None,
+              out: Path | None = None, size: int = 64) -> tuple[float, float]:
+    """Jobs/s of one new worker, and its CPU milliseconds per job over the same span: on a
+    shared machine the rate drifts with the neighbours, the CPU per job much less."""
+    with farm_worker(model, tmp, steps, stand_in, out, size) as (server, worker):
+        rate, jobs, cpu, cpu_end = measure_farm(server, model, "bench", n, steps, size,
+                                                measure=lambda: cpu_seconds(worker.proc.pid))
+    return rate, 1000 * (cpu_end - cpu) / jobs
 
 
 def local_rate(model: Path, tmp: Path, n: int, steps: int) -> float:

@@ -23,16 +23,16 @@ from flax.jax_utils import replicate  # noqa: E402
 
 from renderfarm.jobs import JobSpec  # noqa: E402
 from worker.engine import BATCH, REPLICATED, Engine  # noqa: E402
-from worker.generate import GENERATORS, Inputs, Static  # noqa: E402
+from worker.generate import GENERATORS, Inputs, Output, Static  # noqa: E402
 from worker.models import load_model, quiet_diffusers  # noqa: E402
 from worker.tiny import build_tiny_model  # noqa: E402
 
 
-def seconds_per_call(call: Callable[[], jax.Array], repeats: int) -> float:
-    call().block_until_ready()  # compile and warm up
+def seconds_per_call(call: Callable[[], Output], repeats: int) -> float:
+    jax.block_until_ready(call())  # compile and warm up
     start = time.perf_counter()
     for _ in range(repeats):
-        call().block_until_ready()
+        jax.block_until_ready(call())
     return (time.perf_counter() - start) / repeats
 
 

@@ -61,7 +61,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     specs = list(build_jobs(itertools.chain(first, rows), job_defaults(args), args.seed, model.size_step))
     storage = open_storage(args.out, durable=False)  # nothing is acked on it
     engine = Engine(model, per_device_batch=args.per_device_batch, executables=ExecutableStore(cache / "executables"))
-    report = render_to_storage(specs, engine, storage, progress=not args.quiet)
+    report = render_to_storage(specs, engine, storage, progress=not args.quiet, store_threads=args.store_threads)
     for campaign in report.campaigns:
         print(f"wrote {sum(s.campaign == campaign for s in specs)} images to {storage.url(campaign)}/ "
               f"(manifest: {storage.url(campaign + '/manifest.jsonl')})")
@@ -74,6 +74,13 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
+    # Each module registers its own commands; none imports JAX (or pyarrow, Flower,
+    # Celery's worker) until its command runs.
+    from producer import commands as producer_commands
+    from producer import export, schedules
+    from renderfarm import flower, gallery
+    from worker import commands as worker_commands
+
     top = argparse.ArgumentParser(prog="renderfarm", description="Text-to-image render farm on JAX.")
     sub = top.add_subparsers(dest="command", required=True)
 
@@ -87,18 +94,12 @@ def parser() -> argparse.ArgumentParser:
     job_flags(render)
     render.add_argument("--out", required=True, help="local folder or gs://bucket/prefix")
     render.add_argument("--per-device-batch", type=int, default=1)
+    worker_commands.store_threads_flag(render)
     render.add_argument("--compile-cache", default=os.environ.get("RENDERFARM_COMPILE_CACHE"),
                         help="JAX persistent compilation cache folder "
                              "(default: $RENDERFARM_COMPILE_CACHE or ~/.cache/renderfarm/jax)")
     render.add_argument("--quiet", action="store_true", help="no progress bar")
     render.set_defaults(handler=cmd_render)
-
-    # Each module registers its own commands; none imports JAX (or pyarrow, Flower,
-    # Celery's worker) until its command runs.
-    from producer import commands as producer_commands
-    from producer import export, schedules
-    from renderfarm import flower, gallery
-    from worker import commands as worker_commands
 
     for module in (worker_commands, producer_commands, schedules, flower, export, gallery):
         module.register(sub)

@@ -280,8 +280,11 @@ class Storage(abc.ABC):
     retry: RetryPolicy
 
     @abc.abstractmethod
-    def put(self, name: str, data: bytes, content_type: str = "application/octet-stream") -> None:
-        """Store ``data`` under ``name`` (overwrites; repeating with the same bytes is harmless)."""
+    def put(self, name: str, data: bytes, content_type: str = "application/octet-stream",
+            sync: bool = True) -> None:
+        """Store ``data`` under ``name`` (overwrites; repeating with the same bytes is harmless).
+        ``sync=False`` is for files remade from others when missing (gallery thumbnails):
+        stored whole, but a crash of the machine may lose them, so no fsync is paid."""
 
     @abc.abstractmethod
     def get(self, name: str) -> bytes:
@@ -357,10 +360,12 @@ class LocalStorage(Storage):
     def _path(self, name: str) -> Path:
         return self.root / _check_name(name)
 
-    def put(self, name: str, data: bytes, content_type: str = "application/octet-stream") -> None:
+    def put(self, name: str, data: bytes, content_type: str = "application/octet-stream",
+            sync: bool = True) -> None:
         """Atomic write via temp file + os.replace in the same directory, so readers never see a partial file."""
         path = self._path(name)
         data = bytes(data)
+        durable = self.durable and sync
 
         def op() -> None:
             # Named by thread id (unique on the host while it lives): no mkstemp, and the
@@ -375,7 +380,7 @@ class LocalStorage(Storage):
             try:
                 try:
                     _write_all(fd, data)
-                    if self.durable:
+                    if durable:
                         os.fsync(fd)
                 finally:
                     os.close(fd)
@@ -386,7 +391,7 @@ class LocalStorage(Storage):
                 except OSError:
                     pass
                 raise
-            if self.durable:
+            if durable:
                 _fsync_dir(path.parent)
 
         _with_retries(op, self.retry, f"put {path}", local=True)
@@ -533,8 +538,10 @@ class GCSStorage(Storage):
         return _with_retries(fn, self.retry, what, local=False)
 
     # -- API
-    def put(self, name: str, data: bytes, content_type: str = "application/octet-stream") -> None:
-        """Unconditional overwrite: retrying after an ambiguous failure just rewrites the same bytes."""
+    def put(self, name: str, data: bytes, content_type: str = "application/octet-stream",
+            sync: bool = True) -> None:
+        """Unconditional overwrite: retrying after an ambiguous failure just rewrites the same
+        bytes. An upload is durable once it returns, whatever ``sync`` says."""
         data = bytes(data)
 
         def op() -> None:

@@ -14,6 +14,7 @@ from renderfarm.jobs import JobSpec
 from tests.conftest import STEPS
 from worker.engine import Engine, scheduler_classes
 from worker.models import LoadedModel
+from worker.png import encode_png, paeth_filter
 
 TOLERANCE = 2  # out of 255, per channel (the contract)
 
@@ -68,6 +69,18 @@ def test_reproducibility_contract(family: str, request: pytest.FixtureRequest) -
     # Different jobs in one batch really are different images.
     images = [r.image for r in engine.render(batch)]
     assert max_diff(images[0], images[1]) > 10
+
+
+@pytest.mark.parametrize("family", ["sd", "sdxl"])
+def test_the_devices_filter_png_scanlines_as_the_host_would(family: str, request: pytest.FixtureRequest) -> None:
+    model: LoadedModel = request.getfixturevalue(f"{family}_model")
+    engine: Engine = request.getfixturevalue(f"{family}_engine")
+    for rendered in engine.render([job(model, i) for i in range(3)]):
+        height, width, _ = rendered.image.shape
+        rows = rendered.image.reshape(height, width * 3)
+        assert rendered.scanlines is not None
+        assert np.array_equal(rendered.scanlines, paeth_filter(rows, 3, np.zeros(width * 3, np.uint8)))
+        assert encode_png(rendered.image, scanlines=rendered.scanlines) == encode_png(rendered.image)
 
 
 def test_each_scheduler_matches_diffusers(sd_model: LoadedModel, sd_engine: Engine) -> None:

@@ -9,14 +9,15 @@ from typing import Any
 
 import jax
 import numpy as np
+import pytest
 
-from renderfarm.jobs import parse_job
+from renderfarm.jobs import JobError, parse_job
 from renderfarm.storage import open_storage
 from tests.conftest import STEPS
 from worker.engine import Batch, Rendered, ShapeKey
 from worker.output import BatchWriter
 
-SIZE = 512  # noise this big takes PIL tens of ms to encode: storing is the slow side
+SIZE = 512  # noise this big takes about 15 ms to encode: storing is the slow side
 
 
 def noise_batch(model: Any, n: int, seq: int) -> list[Rendered]:
@@ -38,3 +39,14 @@ def test_submit_waits_once_max_pending_batches_are_behind(sd_model: Any, tmp_pat
             # Back from submit: at most 2 batches still waiting, so all older ones are stored.
             assert stored_batches[:seq - 1] == list(range(max(seq - 1, 0)))
     assert stored_batches == list(range(6))  # in submission order, every one
+
+
+def test_store_threads_share_a_batch_and_must_be_at_least_one(sd_model: Any, tmp_path: Path) -> None:
+    storage = open_storage(str(tmp_path), durable=False)
+    stored: list[list[int]] = []
+    with BatchWriter(storage, sd_model, jax.devices(), threads=3,
+                     on_stored=lambda records: stored.append([r["spec"]["seed"] for r in records])) as writer:
+        writer.submit(noise_batch(sd_model, 7, 0))
+    assert stored == [list(range(7))]  # every job, in batch order, from three threads' chunks
+    with pytest.raises(JobError, match=r"store_threads=0: must be at least 1"):
+        BatchWriter(storage, sd_model, jax.devices(), threads=0)

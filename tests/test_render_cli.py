@@ -32,7 +32,8 @@ def test_layout_sidecars_and_seeds(tiny_sd: Path, tmp_path: Path, capsys: pytest
     prompts.write_text("a lighthouse\n\na red fox\na bowl of ramen\n")
     out = tmp_path / "out"
     assert render("an astronaut", "--prompts", str(prompts), "--model", str(tiny_sd),
-                  "--out", str(out), "--campaign", "c1", "--seed", "10", "--negative", "blurry") == 0
+                  "--out", str(out), "--campaign", "c1", "--seed", "10", "--negative", "blurry",
+                  "--store-threads", "3") == 0
     printed = capsys.readouterr().out
     assert f"wrote 4 images to {out / 'c1'}" in printed and "images/s" in printed and "compile" in printed
 

@@ -83,6 +83,18 @@ def test_put_is_idempotent_and_overwrites(store):
     assert list(store.list("c1/")) == ["c1/ff00.json"]
 
 
+def test_put_without_sync_stores_the_whole_file_and_skips_the_fsyncs(store, monkeypatch):
+    synced: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+    store.put("c/thumbs/a.jpg", b"thumb" * 1000, "image/jpeg", sync=False)
+    assert store.get("c/thumbs/a.jpg") == b"thumb" * 1000 and synced == []
+    store.put("c/a.png", b"png" * 1000, "image/png")
+    assert store.get("c/a.png") == b"png" * 1000
+    if isinstance(store, LocalStorage):
+        assert len(synced) == 2  # the file, then its folder (the rename)
+
+
 def test_put_large_object(store):
     data = os.urandom(9 * 1024 * 1024)  # above the client's 8 MiB resumable-upload threshold
     store.put("big/blob.bin", data, "application/octet-stream")

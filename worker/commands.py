@@ -62,7 +62,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     # Unacked: the batches being gathered (one per shape key on the queue), the one
     # rendering, those being stored (BatchWriter keeps at most 2), and the next ones.
     app.conf.worker_prefetch_multiplier = 8 * engine.batch_size
-    processor = Processor(engine, storage, Progress.from_url(settings.broker_url), app, settings)
+    processor = Processor(engine, storage, Progress.from_url(settings.broker_url), app, settings,
+                          store_threads=args.store_threads)
     app.register_task(render_task(Batcher(processor, engine.batch_size, args.max_wait)))
     queue = queue_name(model.ref, model.dtype)
     log.info(
@@ -75,6 +76,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def store_threads_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--store-threads", type=int, metavar="N",
+                        help="threads that PNG-encode and store finished images while the devices "
+                             "render (default: one per core, 2 to 8)")
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     worker = sub.add_parser("worker", help="serve a model's queue: render jobs in batches, store them")
     worker.add_argument("--model", required=True, help="hub id[@revision], local folder or gs:// folder")
@@ -84,6 +91,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     worker.add_argument("--max-wait", type=float, default=2.0,
                         help="seconds a partial batch waits for more jobs while the devices are busy "
                              "(idle devices take it once no job has come for 50 ms)")
+    store_threads_flag(worker)
     worker.add_argument("--broker", help="default: $RENDERFARM_BROKER_URL or redis://localhost:6379/0")
     worker.add_argument("--precompile", metavar="WxH@STEPS[:SCHED],...",
                         help="shapes to compile before consuming anything")

@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from renderfarm.jobs import JobError, JobSpec
 from worker.executables import ExecutableStore, fingerprint
 from worker.flops import denoise_flops, program_flops, unet_flops
-from worker.generate import GENERATORS, Inputs, Static
+from worker.generate import GENERATORS, Inputs, Output, Static
 from worker.models import LoadedModel, quiet_diffusers
 
 
@@ -69,6 +69,7 @@ class Rendered:
     key: ShapeKey
     truncated: bool
     batch: Batch
+    scanlines: np.ndarray | None = None  # its PNG scanlines, filtered by the devices (worker.generate)
 
 
 def enable_compilation_cache(folder: str | os.PathLike | None = None) -> Path:
@@ -135,13 +136,13 @@ class InFlight:
     specs: list[JobSpec]
     indices: list[int]  # positions in the list the batch was cut from
     key: ShapeKey
-    images: Any  # jax.Array (B, H, W, 3) uint8, still computing
+    output: Output  # of jax.Arrays still computing (or a stand-in's _Pending)
     truncated: list[bool]
     started: float
     seq: int
 
     def ready(self) -> bool:
-        is_ready = getattr(self.images, "is_ready", None)  # jax.Array, or a stand-in's _Pending
+        is_ready = getattr(self.output.images, "is_ready", None)
         return is_ready is None or is_ready()
 
 
@@ -309,7 +310,7 @@ class Engine:
         )
         return Inputs(*jax.device_put(tuple(host), self._sharded)), truncated[:len(jobs)]
 
-    def dispatch(self, key: ShapeKey, jobs: list[JobSpec]) -> tuple[jax.Array, list[bool]]:
+    def dispatch(self, key: ShapeKey, jobs: list[JobSpec]) -> tuple[Output, list[bool]]:
         """Start one batch on the devices; returns at once (JAX dispatch is asynchronous)."""
         scheduler, state = self._scheduler(key.scheduler)
         inputs, truncated = self._inputs(jobs)
@@ -324,15 +325,15 @@ class Engine:
 
     def start(self, specs: Sequence[JobSpec], key: ShapeKey, idx: list[int]) -> InFlight:
         """Start the batch `specs[i] for i in idx` on the devices and return at once."""
-        images, truncated = self.dispatch(key, [specs[i] for i in idx])
-        return InFlight([specs[i] for i in idx], idx, key, images, truncated, time.perf_counter(),
+        output, truncated = self.dispatch(key, [specs[i] for i in idx])
+        return InFlight([specs[i] for i in idx], idx, key, output, truncated, time.perf_counter(),
                         next(self._batches))
 
     def collect(self, batch: InFlight) -> list[Rendered]:
         """Wait for a started batch; its jobs' images, padding dropped."""
-        pixels = np.asarray(batch.images)
+        pixels, scanlines = np.asarray(batch.output.images), np.asarray(batch.output.scanlines)
         info = Batch(batch.seq, len(batch.specs), self.batch_size, time.perf_counter() - batch.started)
-        return [Rendered(i, spec, pixels[n], batch.key, batch.truncated[n], info)
+        return [Rendered(i, spec, pixels[n], batch.key, batch.truncated[n], info, scanlines[n])
                 for n, (i, spec) in enumerate(zip(batch.indices, batch.specs))]
 
     def iter_render(self, specs: Sequence[JobSpec],
@@ -384,6 +385,9 @@ class StandInEngine(Engine):
     def compiled(self, key: ShapeKey) -> None:
         return None
 
-    def dispatch(self, key: ShapeKey, jobs: list[JobSpec]) -> tuple[_Pending, list[bool]]:
+    def dispatch(self, key: ShapeKey, jobs: list[JobSpec]) -> tuple[Output, list[bool]]:
         self._busy_until = max(time.monotonic(), self._busy_until) + self.seconds_per_batch
-        return _Pending((self.batch_size, key.height, key.width, 3), self._busy_until), [False] * len(jobs)
+        # Blank rows under PNG filter type 0 (none) are blank scanlines.
+        shape = (self.batch_size, key.height, key.width, 3)
+        scanlines = (self.batch_size, key.height, 1 + key.width * 3)
+        return Output(_Pending(shape, self._busy_until), _Pending(scanlines, self._busy_until)), [False] * len(jobs)

@@ -72,10 +72,10 @@ class Processor:
     stored (`poll`, on the consumer's timer, and every later batch)."""
 
     def __init__(self, engine: Engine, storage: Storage, progress: Progress, app: Celery,
-                 settings: Settings) -> None:
+                 settings: Settings, store_threads: int | None = None) -> None:
         self.engine, self.storage, self.progress, self.app = engine, storage, progress, app
         self.max_attempts = settings.max_attempts
-        self.writer = BatchWriter(storage, engine.model, engine.devices,
+        self.writer = BatchWriter(storage, engine.model, engine.devices, threads=store_threads,
                                   on_stored=self._stored, on_failed=self._store_failed)
         self._jobs: dict[str, list[Job]] = {}  # job id -> its requests being stored
         self._inflight: tuple[InFlight, list[Job]] | None = None

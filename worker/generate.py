@@ -4,6 +4,10 @@ They follow diffusers' Flax `_generate` step for step, with two changes the job 
 needs: each job's initial latents come from its own seed, and guidance is one value per
 job (shape (B,)), so prompts, negatives, seeds and guidance never change the compiled
 program. Everything static (family, scheduler, steps, size) is bound before `jax.jit`.
+
+Each returns the images and their PNG scanlines: the byte-wise half of PNG encoding (the
+Paeth filter) costs the devices next to nothing and the host's cores a pass per image, so
+it is done here and the host only deflates (worker/png.py).
 """
 
 from __future__ import annotations
@@ -24,6 +28,13 @@ class Inputs(NamedTuple):
     guidance: jax.Array  # (B,) float32
 
 
+class Output(NamedTuple):
+    """What a program returns for a batch."""
+
+    images: jax.Array  # (B, H, W, 3) uint8
+    scanlines: jax.Array  # (B, H, 1 + W*3) uint8: each row's PNG filter type, then its filtered bytes
+
+
 class Static(NamedTuple):
     """What a compiled program is specialised on (the shape key, less the model)."""
 
@@ -38,9 +49,26 @@ def initial_latents(keys: jax.Array, shape: tuple[int, int, int]) -> jax.Array:
     return one.reshape(keys.shape[0], *shape)
 
 
+def png_scanlines(images: jax.Array) -> jax.Array:
+    """PNG's Paeth filter (type 4) of every row, each led by its type byte, as
+    `worker.png.paeth_filter` computes it on the host: a = left, b = up, c = up-left,
+    the predictor the one of them nearest a + b - c, ties to a, then b."""
+    batch, height, width, channels = images.shape
+    x = images.reshape(batch, height, width * channels).astype(jnp.int16)
+    left = ((0, 0), (0, 0), (channels, 0))
+    a = jnp.pad(x, left)[:, :, :-channels]
+    b = jnp.pad(x, ((0, 0), (1, 0), (0, 0)))[:, :-1]
+    c = jnp.pad(b, left)[:, :, :-channels]
+    pa, pb, pc = jnp.abs(b - c), jnp.abs(a - c), jnp.abs(a + b - 2 * c)
+    predictor = jnp.where((pa <= pb) & (pa <= pc), a, jnp.where(pb <= pc, b, c))
+    filtered = ((x - predictor) & 0xFF).astype(jnp.uint8)  # modulo 256, as PNG wants
+    kind = jnp.full((batch, height, 1), 4, jnp.uint8)
+    return jnp.concatenate([kind, filtered], axis=-1)
+
+
 def _denoise(pipe: Any, scheduler: Any, sched_state: Any, params: Any, static: Static,
              inputs: Inputs, context: jax.Array, init_sigma_from_set: bool,
-             added_cond_kwargs: dict[str, jax.Array] | None) -> jax.Array:
+             added_cond_kwargs: dict[str, jax.Array] | None) -> Output:
     """The shared loop: classifier-free guidance with per-job scale, then VAE decode to uint8."""
     f = pipe.vae_scale_factor
     latents = initial_latents(
@@ -69,11 +97,12 @@ def _denoise(pipe: Any, scheduler: Any, sched_state: Any, params: Any, static: S
     latents = 1 / pipe.vae.config.scaling_factor * latents
     image = pipe.vae.apply({"params": params["vae"]}, latents, method=pipe.vae.decode).sample
     image = (image / 2 + 0.5).clip(0, 1).transpose(0, 2, 3, 1)
-    return jnp.round(image * 255).astype(jnp.uint8)
+    image = jnp.round(image * 255).astype(jnp.uint8)
+    return Output(image, png_scanlines(image))
 
 
 def generate_sd(pipe: Any, scheduler: Any, static: Static,
-                params: Any, sched_state: Any, inputs: Inputs) -> jax.Array:
+                params: Any, sched_state: Any, inputs: Inputs) -> Output:
     """SD 1.x / 2.x: one text encoder; the negative prompt is always encoded ("" included)."""
     cond = pipe.text_encoder(inputs.prompt_ids, params=params["text_encoder"])[0]
     uncond = pipe.text_encoder(inputs.negative_ids, params=params["text_encoder"])[0]
@@ -82,7 +111,7 @@ def generate_sd(pipe: Any, scheduler: Any, static: Static,
 
 
 def generate_sdxl(pipe: Any, scheduler: Any, static: Static,
-                  params: Any, sched_state: Any, inputs: Inputs) -> jax.Array:
+                  params: Any, sched_state: Any, inputs: Inputs) -> Output:
     """SDXL: two encoders, pooled embeddings and size conditioning; empty negative is zeros."""
     cond, pooled = pipe.get_embeddings(inputs.prompt_ids, params)
     neg, neg_pooled = pipe.get_embeddings(inputs.negative_ids, params)

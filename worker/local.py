@@ -32,7 +32,7 @@ class RenderReport:
 
 
 def render_to_storage(specs: Sequence[JobSpec], engine: Engine, storage: Storage,
-                      progress: bool = True) -> RenderReport:
+                      progress: bool = True, store_threads: int | None = None) -> RenderReport:
     """Compile every needed shape first (so the rate excludes it), then render and store;
     each campaign's gallery is rebuilt at the end."""
     compile_before, hits_before = engine.compile_seconds, engine.cache_hits
@@ -40,7 +40,8 @@ def render_to_storage(specs: Sequence[JobSpec], engine: Engine, storage: Storage
     plan = engine.prepare(specs)
     start = time.perf_counter()
     with tqdm(total=len(specs), unit="img", disable=not progress, file=sys.stderr) as bar, \
-            BatchWriter(storage, engine.model, engine.devices, on_stored=lambda r: bar.update(len(r))) as writer:
+            BatchWriter(storage, engine.model, engine.devices, threads=store_threads,
+                        on_stored=lambda r: bar.update(len(r))) as writer:
         for batch in engine.iter_render(specs, plan):
             writer.submit(batch)
     render_seconds = time.perf_counter() - start
