@@ -111,8 +111,8 @@ def make_thumbnail(image: bytes | Image.Image, size: int = THUMB_SIZE) -> bytes:
             thumb = decoded.convert("RGB")
     else:
         thumb = image.convert("RGB")
-    # Box-reduce by the whole factor first (reducing_gap=1): a tenth of the time of Lanczos
-    # from full size, which the worker pays for every image it stores.
+    # Box-reduce by the whole factor first (reducing_gap=1), then Lanczos for the rest: the
+    # worker pays this for every image it stores (bench/png.py times both ways).
     thumb.thumbnail((size, size), Image.Resampling.LANCZOS, reducing_gap=1.0)
     out = io.BytesIO()
     thumb.save(out, format="JPEG", quality=85)
@@ -169,8 +169,8 @@ def contact_sheet(thumbs: list[bytes], tile: int = THUMB_SIZE, gap: int = TILE_G
             y = gap + (i // columns) * (tile + gap) + (tile - thumb.height) // 2
             sheet.paste(thumb, (x, y))
     out = io.BytesIO()
-    # zlib level 1: a worker refreshes this every 30 s per campaign; on photo thumbnails it
-    # takes a sixth of the time of `optimize=True` for a file 6% larger.
+    # zlib level 1, not `optimize=True`: a worker refreshes this every 30 s per running
+    # campaign (bench/png.py times both ways and gives both sizes).
     sheet.save(out, format="PNG", compress_level=1)
     return out.getvalue()
 

@@ -4,8 +4,8 @@ Pillow's encoder picks a filter per row by trying all five and then deflates at 
 about 8 ms for a 256x256 image and 0.4 s for a 1024x1024 photo on one core here, which on
 a host whose cores also feed the devices is time taken from rendering. This encoder
 applies the Paeth filter to the whole image with NumPy and deflates at level 1 with the
-run-length strategy, through zlib-ng (the same format and sizes as zlib, about twice as
-fast): several times faster than Pillow, and on photographs within a few percent of its
+run-length strategy, through zlib-ng (the same format and sizes as zlib, faster:
+`bench/png.py` prints both): several times faster than Pillow, and on photographs within a few percent of its
 size (`bench/png.py` measures both on real photos and on noise). In the worker the devices
 filter (worker.generate.png_scanlines: nothing to them, a NumPy pass per image to the host),
 so the host only deflates; NumPy and zlib-ng release the GIL, so the store threads encode
@@ -33,15 +33,16 @@ def _chunk(kind: bytes, payload: bytes) -> bytes:
     return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", crc)
 
 
-def paeth_filter(rows: np.ndarray, channels: int, above: np.ndarray) -> np.ndarray:
+def paeth_filter(rows: np.ndarray, channels: int, above: np.ndarray | None = None) -> np.ndarray:
     """Paeth-filtered scanlines, each led by its filter type byte.
 
     `rows` is (n, width * channels) uint8; `above` is the unfiltered row before the first
-    (zeros for the top of the image). Encoding predicts from unfiltered bytes only, so the
+    (None: the top of the image, where PNG reads zeros). Encoding predicts from unfiltered bytes only, so the
     whole block is filtered at once (decoding is the sequential direction)."""
     n, width = rows.shape
     padded = np.zeros((n + 1, width + channels), np.int16)  # a zero column left, `above` on top
-    padded[0, channels:] = above
+    if above is not None:
+        padded[0, channels:] = above
     padded[1:, channels:] = rows
     x, a = padded[1:, channels:], padded[1:, :-channels]  # the byte, the one to its left
     b, c = padded[:-1, channels:], padded[:-1, :-channels]  # above, above-left
@@ -74,7 +75,7 @@ def encode_png(pixels: np.ndarray, text: dict[str, str] | None = None,
         parts = [deflate.compress(np.ascontiguousarray(scanlines))]
     else:
         rows = np.ascontiguousarray(pixels).reshape(height, width * channels)
-        parts, above = [], np.zeros(width * channels, np.uint8)
+        parts, above = [], None
         step = max(1, BLOCK_BYTES // (width * channels))
         for top in range(0, height, step):
             block = rows[top:top + step]
