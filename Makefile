@@ -10,7 +10,7 @@ export JAX_PLATFORMS ?= cpu
 SYSTEM_PACKAGES := redis-server chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test bench lock clean system-packages
+.PHONY: demo test bench lock clean system-packages oracle
 
 $(BIN)/.installed: pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
@@ -36,10 +36,24 @@ system-packages:
 	@command -v redis-server >/dev/null && command -v chromium >/dev/null || \
 		{ $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $(SYSTEM_PACKAGES); }
 
-BENCHMARKS := engine_vs_direct parallelism farm overlap png warmstart shapes ingest fleet flops dtype
+BENCHMARKS := engine_vs_direct modules tokenizer parallelism farm overlap png warmstart shapes ingest fleet flops dtype
 
 bench: $(BIN)/.bench-installed system-packages
 	set -e; for name in $(BENCHMARKS); do echo "== bench/$$name.py"; PYTHONPATH=. $(BIN)/python bench/$$name.py; done
+
+# Regenerate the PyTorch reference data under tests/data/ (tiny checkpoints, reference images, scheduler
+# and tokenizer references) with diffusers' own PyTorch code, in a venv of its own: not part of `make test`,
+# which only reads what this writes. The venv is rebuilt when tests/oracle/requirements.txt changes.
+ORACLE_VENV := build/oracle-venv
+oracle:
+	@if [ ! -f $(ORACLE_VENV)/.installed ] || [ tests/oracle/requirements.txt -nt $(ORACLE_VENV)/.installed ]; then \
+		set -e; rm -rf $(ORACLE_VENV); $(PYTHON) -m venv $(ORACLE_VENV); \
+		echo "$(ORACLE_VENV)/bin/python -m pip install -q -r tests/oracle/requirements.txt"; \
+		$(ORACLE_VENV)/bin/python -m pip install -q -r tests/oracle/requirements.txt; \
+		$(ORACLE_VENV)/bin/python -m pip install -q --no-deps open-clip-torch==3.3.0; \
+		touch $(ORACLE_VENV)/.installed; \
+	fi
+	JAX_PLATFORMS=cpu $(ORACLE_VENV)/bin/python -m tests.oracle
 
 # Re-resolve every dependency from scratch and write the lock (run after changing pyproject).
 lock:

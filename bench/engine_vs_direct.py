@@ -3,6 +3,11 @@
 direct: pipeline(shard(prompt_ids), replicate(params), rng, jit=True), numpy_to_pil, PNG save
 engine: what `renderfarm render` runs (worker.local.render_to_storage): PNG + sidecar + manifest
 
+Both use DDIM, which runs one UNet evaluation per step in both. (The tiny model's own PNDM
+does not: diffusers' Flax pipeline loops `steps` times, where PyTorch's PNDM, which the
+engine follows, evaluates the UNet `steps + 1` times; comparing them would charge the engine
+for the evaluation the Flax pipeline skips.)
+
 Both compile and warm up first, then run in alternating rounds on the same prompts; prints
 the median images/s of each and engine/direct.
 Usage: python bench/engine_vs_direct.py [--images N] [--rounds R] [--steps S]
@@ -28,19 +33,23 @@ from flax.training.common_utils import shard  # noqa: E402
 
 from renderfarm.jobs import JobSpec  # noqa: E402
 from renderfarm.storage import open_storage  # noqa: E402
+from bench.flax_reference import quiet_diffusers  # noqa: E402
 from worker.engine import Engine, enable_compilation_cache  # noqa: E402
 from worker.local import render_to_storage  # noqa: E402
-from worker.models import load_model, quiet_diffusers  # noqa: E402
+from worker.models import load_model  # noqa: E402
 from worker.tiny import build_tiny_model  # noqa: E402
 
 
 def direct_flow(model_dir: Path, steps: int, out: Path) -> Callable[[list[str]], None]:
     """The blog's flow: prepare_inputs, shard, pipeline(jit=True), numpy_to_pil, save."""
-    from diffusers import FlaxStableDiffusionPipeline
+    from diffusers import FlaxDDIMScheduler, FlaxStableDiffusionPipeline
 
     with quiet_diffusers():
         pipeline, params = FlaxStableDiffusionPipeline.from_pretrained(
             str(model_dir), safety_checker=None, feature_extractor=None)
+        scheduler = FlaxDDIMScheduler.from_config(pipeline.scheduler.config)
+        pipeline = type(pipeline)(**{**pipeline.components, "scheduler": scheduler}, dtype=pipeline.dtype)
+        params["scheduler"] = scheduler.create_state()
     p_params = replicate(params)
     n = jax.device_count()
     rng = jax.random.split(jax.random.PRNGKey(0), n)
@@ -62,7 +71,8 @@ def engine_flow(model_dir: Path, steps: int, out: Path) -> Callable[[list[str]],
     storage = open_storage(str(out), durable=False)
 
     def run(prompts: list[str]) -> None:
-        specs = [JobSpec(prompt=p, model=str(model_dir), seed=i, steps=steps) for i, p in enumerate(prompts)]
+        specs = [JobSpec(prompt=p, model=str(model_dir), seed=i, steps=steps, scheduler="ddim")
+                 for i, p in enumerate(prompts)]
         render_to_storage(specs, engine, storage, progress=False)
 
     return run

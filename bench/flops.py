@@ -23,7 +23,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from worker.flops import CONTEXT_TOKENS, program_flops, unet_flops  # noqa: E402
-from worker.models import quiet_diffusers  # noqa: E402
+from worker.nn.clip import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection  # noqa: E402
+from worker.nn.unet import UNet2DConditionModel, UNetConfig  # noqa: E402
+from worker.nn.vae import AutoencoderKL, VAEConfig  # noqa: E402
 
 SD15_UNET = {
     "sample_size": 64, "in_channels": 4, "out_channels": 4, "layers_per_block": 2,
@@ -74,43 +76,31 @@ KEY = jax.random.PRNGKey(0)
 
 
 def unet_step(config: dict[str, Any], size: int) -> float:
-    from diffusers import FlaxUNet2DConditionModel
-
-    unet = FlaxUNet2DConditionModel.from_config(config)
-    flops = unet_flops(unet, jax.eval_shape(unet.init_weights, KEY), 2, size // 8, size // 8)
+    unet = UNet2DConditionModel(UNetConfig.from_dict(config))
+    flops = unet_flops(unet, jax.eval_shape(unet.init_params, KEY), 2, size // 8, size // 8)
     assert flops is not None
     return flops
 
 
 def text_encoders(encoders: list[tuple[dict[str, Any], bool]]) -> float:
     """Prompt and negative prompt through each encoder, as the engine runs them."""
-    from transformers import (
-        CLIPTextConfig,
-        FlaxCLIPTextModel,
-        FlaxCLIPTextModelWithProjection,
-    )
-
     total = 0.0
     for config, projection in encoders:
-        cls = FlaxCLIPTextModelWithProjection if projection else FlaxCLIPTextModel
-        model = cls(CLIPTextConfig(**config), _do_init=False)
-        params = jax.eval_shape(lambda key: model.init_weights(key, (1, CONTEXT_TOKENS)), KEY)  # noqa: B023
+        cls = CLIPTextModelWithProjection if projection else CLIPTextModel
+        model = cls(CLIPTextConfig.from_dict(config))
+        params = jax.eval_shape(model.init_params, KEY)
         ids = jax.ShapeDtypeStruct((2, CONTEXT_TOKENS), jnp.int32)
-        flops = program_flops(jax.jit(lambda p, i: model(i, params=p)[0]).lower(params, ids))  # noqa: B023
+        flops = program_flops(jax.jit(lambda p, i: model.apply({"params": p}, i)).lower(params, ids))  # noqa: B023
         assert flops is not None
         total += flops
     return total
 
 
 def vae_decode(size: int) -> float:
-    from diffusers import FlaxAutoencoderKL
-
-    vae = FlaxAutoencoderKL(**{**VAE, "block_out_channels": tuple(VAE["block_out_channels"]),
-                               "down_block_types": tuple(VAE["down_block_types"]),
-                               "up_block_types": tuple(VAE["up_block_types"]), "sample_size": size})
-    params = jax.eval_shape(vae.init_weights, KEY)
+    vae = AutoencoderKL(VAEConfig.from_dict({**VAE, "sample_size": size}))
+    params = jax.eval_shape(vae.init_params, KEY)
     latents = jax.ShapeDtypeStruct((1, 4, size // 8, size // 8), jnp.float32)
-    flops = program_flops(jax.jit(lambda p, z: vae.apply({"params": p}, z, method=vae.decode).sample)
+    flops = program_flops(jax.jit(lambda p, z: vae.apply({"params": p}, z, method=vae.decode))
                           .lower(params, latents))
     assert flops is not None
     return flops
@@ -121,8 +111,7 @@ def main() -> None:
           f"1 TFLOP = 1e12 FLOP; images/s at {UTILISATION:.0%} of dense bf16 peak\n")
     for name, (unet_config, encoders, size, published) in MODELS.items():
         started = time.perf_counter()
-        with quiet_diffusers():
-            step, text, vae = unet_step(unet_config, size), text_encoders(encoders), vae_decode(size)
+        step, text, vae = unet_step(unet_config, size), text_encoders(encoders), vae_decode(size)
         print(f"{name} {size}x{size} (counted in {time.perf_counter() - started:.0f} s):")
         print(f"  UNet, batch 2 (guidance), per image per step {step / 1e12:8.3f} TFLOP")
         print(f"  text encoder(s), prompt + negative, per image {text / 1e12:8.3f} TFLOP")

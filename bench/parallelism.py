@@ -23,8 +23,8 @@ from flax.jax_utils import replicate  # noqa: E402
 
 from renderfarm.jobs import JobSpec  # noqa: E402
 from worker.engine import BATCH, REPLICATED, Engine  # noqa: E402
-from worker.generate import GENERATORS, Inputs, Output, Static  # noqa: E402
-from worker.models import load_model, quiet_diffusers  # noqa: E402
+from worker.generate import Inputs, Output, Static  # noqa: E402
+from worker.models import load_model  # noqa: E402
 from worker.tiny import build_tiny_model  # noqa: E402
 
 
@@ -47,24 +47,22 @@ def main() -> None:
     n = len(engine.devices)
     specs = [JobSpec(prompt=f"a lighthouse {i}", model=model.ref, seed=i, steps=args.steps) for i in range(n)]
     key = engine.check(specs[0])
-    scheduler, state = engine._scheduler(key.scheduler)
     inputs, _ = engine._inputs(specs)
     params = engine._params
-    fn = partial(GENERATORS["sd"], model.pipe, scheduler, Static(key.height, key.width, key.steps))
+    fn = partial(model.family.generate, model.networks, engine._scheduler(key.scheduler),
+                 Static(key.height, key.width, key.steps))
     mesh = engine._sharded.mesh
 
     per_device = Inputs(*(np.asarray(x).reshape(n, 1, *x.shape[1:]) for x in inputs))
     pmapped = jax.pmap(fn)
-    p_params, p_state = replicate(params), replicate(state)
+    p_params = replicate(params)
     auto = jax.jit(fn)
-    mapped = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(REPLICATED, REPLICATED, BATCH),
-                                   out_specs=BATCH, check_vma=False))
-    with quiet_diffusers():
-        results = {
-            "pmap": seconds_per_call(lambda: pmapped(p_params, p_state, per_device), args.repeats),
-            "jit, automatic partitioning": seconds_per_call(lambda: auto(params, state, inputs), args.repeats),
-            "jit of shard_map (engine)": seconds_per_call(lambda: mapped(params, state, inputs), args.repeats),
-        }
+    mapped = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(REPLICATED, BATCH), out_specs=BATCH, check_vma=False))
+    results = {
+        "pmap": seconds_per_call(lambda: pmapped(p_params, per_device), args.repeats),
+        "jit, automatic partitioning": seconds_per_call(lambda: auto(params, inputs), args.repeats),
+        "jit of shard_map (engine)": seconds_per_call(lambda: mapped(params, inputs), args.repeats),
+    }
     print(f"tiny SD, 64x64, {args.steps} steps, batch {n} on {n} {engine.devices[0].device_kind} devices")
     for name, seconds in results.items():
         print(f"{name:30s} {seconds * 1000:8.1f} ms/batch  {n / seconds:8.1f} images/s")

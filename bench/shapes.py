@@ -13,7 +13,6 @@ Usage: PYTHONPATH=. python bench/shapes.py [--jobs 300] [--steps 4]
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 from collections import defaultdict
@@ -25,8 +24,8 @@ from producer.submit import submit_jobs  # noqa: E402
 from renderfarm.jobs import JobSpec  # noqa: E402
 from renderfarm.progress import Progress  # noqa: E402
 from renderfarm.settings import Settings  # noqa: E402
-from renderfarm.storage import manifest_name, open_storage  # noqa: E402
-from tests.farm import WorkerProcess, farm_app, manifest_ids, wait_for  # noqa: E402
+from renderfarm.storage import open_storage  # noqa: E402
+from tests.farm import WorkerProcess, farm_app, manifest_ids, manifest_records, wait_for  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
 SHAPES = ((64, 64), (96, 64), (64, 96))  # the tiny model's size step is 16
@@ -60,8 +59,7 @@ def main() -> None:
         storage = open_storage(str(out))
         assert len(set(manifest_ids(storage, "shapes"))) == args.jobs
         batches: dict[int, dict] = {}
-        for line in storage.get(manifest_name("shapes")).decode().splitlines():
-            record = json.loads(line)
+        for record in manifest_records(storage, "shapes"):
             batches[record["batch"]["seq"]] = {**record["batch"], "shape": (record["width"], record["height"])}
     report(batches)
 

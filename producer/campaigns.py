@@ -39,7 +39,7 @@ from renderfarm.settings import Settings
 from renderfarm.storage import open_storage
 
 SHOWN_BAD_ROWS = 10  # bad rows a run keeps to show; it always counts them all
-JOB_FIELDS = ("negative_prompt", "steps", "guidance_scale", "width", "height", "scheduler", "dtype",
+JOB_FIELDS = ("negative_prompt", "steps", "guidance_scale", "width", "height", "scheduler", "dtype", "variant",
               "priority")
 ShapeKey = tuple[str, int | None, int | None, int, str | None]  # model, width, height, steps, scheduler
 
@@ -79,6 +79,7 @@ class CampaignSpec:
     height: int | None = JobSpec.height
     scheduler: str | None = JobSpec.scheduler
     dtype: str = JobSpec.dtype
+    variant: str | None = JobSpec.variant
     priority: int | None = JobSpec.priority
     schedule: str | None = None  # cron expression, for `renderfarm schedule`
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
 import json
 import sys
@@ -13,7 +14,7 @@ from kombu.exceptions import KombuError
 
 from producer.status import campaign_status, cancel_campaign, farm_queues, format_status
 from producer.submit import Submission, WaitTimeout, submit, wait_for
-from renderfarm.settings import Settings
+from renderfarm.settings import Settings, redacted
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -26,7 +27,7 @@ def broker_errors(handler: Handler) -> Handler:
             return handler(args)
         except (redis.RedisError, KombuError, OSError) as err:
             url = Settings.from_env(broker_url=args.broker).broker_url
-            print(f"renderfarm: error: broker {url}: {err}", file=sys.stderr)
+            print(f"renderfarm: error: broker {redacted(url)}: {redacted(str(err))}", file=sys.stderr)
             return 1
     return run
 
@@ -120,6 +121,39 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+@broker_errors
+def cmd_deadletters(args: argparse.Namespace) -> int:
+    from renderfarm.deadletters import DeadLetters
+
+    with redis.Redis.from_url(Settings.from_env(broker_url=args.broker).broker_url) as client:
+        letters = DeadLetters(client)
+        counts = letters.counts()
+        queues = [args.queue] if args.queue else sorted(counts)
+        if args.requeue or args.purge:
+            if not args.queue:
+                print("renderfarm: error: --requeue and --purge need --queue QUEUE", file=sys.stderr)
+                return 2
+            if args.requeue:
+                requeued, dropped = letters.requeue(args.queue)
+                print(f"{args.queue}: requeued {requeued}, dropped {dropped} cut messages")
+            else:
+                print(f"{args.queue}: purged {letters.purge(args.queue)} dead letters")
+            return 0
+        report = {queue: {**counts.get(queue, {"total": 0, "kept": 0}),
+                          "entries": letters.entries(queue, args.limit)} for queue in queues}
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    if not report:
+        print("no dead letters")
+    for queue, found in report.items():
+        print(f"{queue}: {found['total']} dead letters ({found['kept']} kept)")
+        for entry in found["entries"]:
+            when = datetime.datetime.fromtimestamp(entry["at"], datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+            print(f"  {when}  {entry['reason']}")
+    return 0
+
+
 def broker_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--broker", metavar="URL",
                         help="Redis broker URL (default: $RENDERFARM_BROKER_URL or redis://localhost:6379/0)")
@@ -150,6 +184,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     cancel.add_argument("campaign", metavar="CAMPAIGN")
     broker_flag(cancel)
     cancel.set_defaults(handler=cmd_cancel)
+
+    dead = sub.add_parser("deadletters", help="messages workers could not take, with the reason; requeue or purge")
+    dead.add_argument("--queue", help="one queue (default: every queue with dead letters)")
+    dead.add_argument("--limit", type=int, default=20, help="entries listed per queue, newest first (default 20)")
+    action = dead.add_mutually_exclusive_group()
+    action.add_argument("--requeue", action="store_true", help="put the queue's kept messages back on it")
+    action.add_argument("--purge", action="store_true", help="drop the queue's dead letters")
+    dead.add_argument("--json", action="store_true", help="one JSON object")
+    broker_flag(dead)
+    dead.set_defaults(handler=cmd_deadletters)
 
     campaign = sub.add_parser("campaign", help="check or run a campaign spec (YAML; docs/campaigns.md)")
     actions = campaign.add_subparsers(dest="action", required=True)

@@ -33,7 +33,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from renderfarm.gallery import Manifest
+from renderfarm.manifest import Records
 from renderfarm.jobs import JobError, check_campaign
 from renderfarm.storage import Storage, image_name, open_storage
 
@@ -270,7 +270,7 @@ def export(source: Storage, campaign: str, fmt: str, target: Storage, *, shard_s
         raise JobError("format", fmt, f"must be one of {', '.join(FORMATS)}")
     if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
         raise JobError("shard_size", shard_size, "must be an integer >= 1")
-    manifest = Manifest.open(source, campaign)
+    manifest = Records.open(source, campaign)
     if not overwrite and next(iter(target.list("")), None) is not None:
         raise JobError("to", target.describe(), "is not empty: export into a new folder, or pass --overwrite")
     report = ExportReport(campaign, fmt, target.describe())

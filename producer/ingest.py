@@ -30,7 +30,7 @@ SourceRow = tuple[int, "dict[str, Any] | JobError"]  # (line or row number, fiel
 # CSV cell is read as. Seeds derive from the row's position and the campaign is the spec's.
 ROW_FIELDS: dict[str, Callable[[str], Any]] = {
     "prompt": str, "negative_prompt": str, "model": str, "steps": int, "guidance_scale": float,
-    "width": int, "height": int, "scheduler": str, "dtype": str, "priority": int}
+    "width": int, "height": int, "scheduler": str, "dtype": str, "priority": int, "variant": str}
 SPEC_ONLY = {"seed": "seeds derive from base_seed and the row's position",
              "campaign": "the campaign is the spec's name"}
 PARQUET_BATCH = 8192  # rows per Arrow batch: flat memory, few Python calls

@@ -12,6 +12,7 @@ from typing import Any
 import redis
 from kombu.exceptions import ChannelError
 
+from renderfarm.deadletters import DeadLetters
 from renderfarm.jobs import check_campaign
 from renderfarm.progress import QUEUES, Progress
 from renderfarm.queue import make_app
@@ -26,6 +27,7 @@ class QueueInfo:
     name: str
     jobs: int
     consumers: int
+    dead_letters: int = 0  # messages workers could not take (`renderfarm deadletters`)
 
     @property
     def warning(self) -> str | None:
@@ -37,17 +39,20 @@ class QueueInfo:
 
 def farm_queues(broker: str | None = None) -> list[QueueInfo]:
     """Every queue producers have used, its waiting jobs over all priority sub-queues (as
-    kombu counts them) and how many live workers consume it (they answer over the broker)."""
+    kombu counts them), how many live workers consume it (they answer over the broker) and
+    its dead letters."""
     settings = Settings.from_env(broker_url=broker)
     with redis.Redis.from_url(settings.broker_url) as client:
         names = sorted(name.decode() for name in client.smembers(QUEUES))
+        dead = {queue: count["total"] for queue, count in DeadLetters(client).counts().items()}
+    names = sorted(set(names) | set(dead))
     if not names:
         return []
     with make_app(settings) as app, app.connection_for_read() as connection:
         replies = app.control.inspect(timeout=INSPECT_SECONDS).active_queues() or {}
         consumers = Counter(q["name"] for queues in replies.values() for q in queues)
         channel = connection.default_channel
-        return [QueueInfo(name, _waiting(channel, name), consumers[name]) for name in names]
+        return [QueueInfo(name, _waiting(channel, name), consumers[name], dead.get(name, 0)) for name in names]
 
 
 def _waiting(channel: Any, queue: str) -> int:
@@ -101,6 +106,8 @@ def format_status(report: dict[str, Any]) -> str:
             lines.append(f"  ... and {len(failures) - SHOWN_FAILURES} more (--json lists all)")
     if report["queues"]:
         lines.append("queues:")
-        lines += [f"  {q['name']}: {q['jobs']} jobs, {q['consumers']} consumers" for q in report["queues"]]
+        lines += [f"  {q['name']}: {q['jobs']} jobs, {q['consumers']} consumers"
+                  + (f", {q['dead_letters']} dead letters (renderfarm deadletters)" if q["dead_letters"] else "")
+                  for q in report["queues"]]
     lines += [f"warning: {w}" for w in report["warnings"]]
     return "\n".join(lines)

@@ -56,7 +56,7 @@ class Submission:
     """What one submit did; `wait` follows its jobs, and only its jobs, to the end."""
 
     id: str
-    broker_url: str
+    broker_url: str = dataclasses.field(repr=False)  # it may hold the broker's password
     enqueued: int
     already_done: int
     duplicates: int
@@ -242,7 +242,8 @@ def submit(prompts: Iterable[str] | str = (), *, model: str, campaign: str = "lo
            prompts_file: str | Path | None = None, seed: int | None = None,
            steps: int | None = None, guidance_scale: float | None = None,
            negative_prompt: str | None = None, width: int | None = None, height: int | None = None,
-           scheduler: str | None = None, dtype: str = "float32", priority: int | None = None,
+           scheduler: str | None = None, dtype: str = "float32", variant: str | None = None,
+           priority: int | None = None,
            broker: str | None = None, wait: bool = False, timeout: float | None = None,
            progress: bool = True) -> Submission:
     """Enqueue jobs for the farm, as `renderfarm submit` does: the given prompts, then the
@@ -252,7 +253,7 @@ def submit(prompts: Iterable[str] | str = (), *, model: str, campaign: str = "lo
     given = [prompts] if isinstance(prompts, str) else list(prompts)
     defaults = {"model": model, "campaign": campaign, "steps": steps, "guidance_scale": guidance_scale,
                 "negative_prompt": negative_prompt, "width": width, "height": height,
-                "scheduler": scheduler, "dtype": dtype, "priority": priority}
+                "scheduler": scheduler, "dtype": dtype, "variant": variant, "priority": priority}
     submission = submit_jobs(lambda: build_jobs(prompt_rows(given, prompts_file), defaults, seed),
                              Settings.from_env(broker_url=broker))
     if wait:

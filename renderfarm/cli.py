@@ -27,11 +27,12 @@ def job_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--height", type=int)
     parser.add_argument("--scheduler", choices=SCHEDULERS, help="default: the model's own")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--variant", help="the model's weights variant, e.g. fp16 (its *.fp16.safetensors files)")
 
 
 def job_defaults(args: argparse.Namespace) -> dict[str, Any]:
     names = ("model", "campaign", "steps", "guidance_scale", "negative_prompt", "width", "height",
-             "scheduler", "dtype")
+             "scheduler", "dtype", "variant")
     return {name: getattr(args, name) for name in names}
 
 
@@ -57,7 +58,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     from worker.models import load_model
 
     cache = enable_compilation_cache(args.compile_cache)
-    model = load_model(args.model, args.dtype)
+    model = load_model(args.model, args.dtype, args.variant)
     specs = list(build_jobs(itertools.chain(first, rows), job_defaults(args), args.seed, model.size_step))
     storage = open_storage(args.out, durable=False)  # nothing is acked on it
     engine = Engine(model, per_device_batch=args.per_device_batch, executables=ExecutableStore(cache / "executables"))

@@ -10,7 +10,9 @@ readable by every user of the host through ``ps``):
 
     RENDERFARM_FLOWER_AUTH="user:password[,user2:password2]"   -> Flower's --basic_auth
 
-Without it the command refuses to start, unless ``--no-auth`` is given. Whatever the auth,
+Without it the command refuses to start, unless ``--no-auth`` is given; it also refuses a
+well-known password (``change-me``, ``admin``, ...) or one equal to its user name, the first
+things anyone tries. Whatever the auth,
 Flower serves ``/metrics`` (Prometheus) and ``/healthcheck`` WITHOUT authentication: that is
 Flower's design, not ours. Keep the port off the public internet.
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Sequence
 
@@ -35,6 +38,11 @@ DEFAULT_MAX_TASKS = 100_000  # Flower's own default
 # (click envvars without a prefix): APP would replace the farm's app, BROKER_URL and
 # RESULT_BACKEND its broker and backend. They are not the farm's settings: ignore them.
 CELERY_CLI_ENV = ("APP", "BROKER_URL", "RESULT_BACKEND", "LOADER", "CONFIG_MODULE")
+# Passwords tried first by anyone who finds the port (compared lower-cased, letters and digits
+# only, so Change_Me and change-me count too); a password equal to its user name is refused too.
+WELL_KNOWN_PASSWORDS = frozenset({
+    "changeme", "admin", "password", "flower", "secret", "123456", "12345678", "123456789",
+    "qwerty", "letmein", "passw0rd", "password1", "default", "guest", "root", "admin123"})
 OWNED_OPTIONS = {"basic_auth": f"set {ENV_AUTH} instead", "port": "use --port", "address": "use --address",
                  "max_tasks": "use --max-tasks", "broker": "use --broker"}
 
@@ -44,7 +52,8 @@ Run Flower (the Celery dashboard) against the farm's broker: workers, queues, ev
 
 Basic auth comes from the environment: {ENV_AUTH}="user:password[,user2:password2]"
 (no commas or leading/trailing spaces in passwords). Without it the command refuses to
-start, unless --no-auth is given.
+start, unless --no-auth is given. Well-known passwords (change-me, admin, password, ...)
+and a password equal to its user name are refused.
 
 NOT behind auth, whatever you set: /metrics (Prometheus: worker names, task counts and
 runtimes) and /healthcheck. Flower serves them to anyone who can reach the port, so keep
@@ -63,7 +72,8 @@ class FlowerConfigError(Exception):
 
 
 def parse_auth(value: str) -> list[str]:
-    """``"u:p,u2:p2"`` -> ``["u:p", "u2:p2"]``; errors name the variable and the entry, never a password."""
+    """``"u:p,u2:p2"`` -> ``["u:p", "u2:p2"]``; errors name the variable and the entry or its
+    user, never a password (not even by saying it equals the user name)."""
     credentials = []
     for number, entry in enumerate(value.split(","), start=1):
         entry = entry.strip()
@@ -74,8 +84,18 @@ def parse_auth(value: str) -> list[str]:
         if not colon or not user or not password:
             raise FlowerConfigError(f"{ENV_AUTH}: entry {number} is not user:password with a non-empty "
                                     "user and password (expected user:password[,user2:password2])")
+        if guessable(user, password):
+            raise FlowerConfigError(f"{ENV_AUTH}: user {user!r} has a well-known or guessable password; "
+                                    "Flower shows every job and can stop the workers: choose a long "
+                                    "random one (e.g. openssl rand -hex 16)")
         credentials.append(entry)
     return credentials
+
+
+def guessable(user: str, password: str) -> bool:
+    """A password from WELL_KNOWN_PASSWORDS, or the user name again (case aside)."""
+    plain = re.sub(r"[^a-z0-9]", "", password.lower())
+    return plain in WELL_KNOWN_PASSWORDS or password.lower() == user.lower()
 
 
 def check_flower_options(extra: Sequence[str]) -> list[str]:

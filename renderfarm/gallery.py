@@ -6,8 +6,9 @@ The page links with relative paths only, so a campaign folder works the same cop
 laptop, opened from local storage, or served as a bucket website.
 
 Scale: the worker writes one small JPEG per image when it stores the image, so a refresh
-never decodes full-size PNGs; it reads the manifest once and fetches only the thumbnails of
-the contact sheet. The page lists the newest ``limit`` images and states the total.
+never decodes full-size PNGs; it reads the manifest lines written since its last refresh
+and fetches only the thumbnails of the contact sheet. The page lists the newest ``limit``
+images and states the total.
 """
 
 from __future__ import annotations
@@ -18,26 +19,25 @@ import dataclasses
 import datetime
 import html
 import io
-import json
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from PIL import Image
 
 from renderfarm.jobs import JobError, check_campaign
+from renderfarm.manifest import Cursor, Manifest, Records, no_such_campaign, open_manifest
 from renderfarm.storage import (
+    LocalStorage,
     Storage,
     image_name,
     index_name,
-    manifest_name,
     open_storage,
     preview_name,
     thumbnail_name,
-    validate_job_id,
 )
 
 log = logging.getLogger(__name__)
@@ -48,56 +48,6 @@ DEFAULT_TILES = 64  # thumbnails on preview.png (8 x 8)
 TILE_GAP = 4  # px between contact sheet tiles
 EAGER_IMAGES = 64  # the first screenfuls load at once, the rest lazily
 FETCH_THREADS = 8
-
-
-# --------------------------------------------------------------------------- manifest
-
-
-class Manifest:
-    """A campaign's finished jobs, read from its manifest.jsonl.
-
-    Each job id comes out once (a redelivered job appends its line again; the first wins)
-    and lines that are not a job record are skipped with a warning and counted, so one bad
-    line never hides the good ones. The manifest is fetched whole (the Storage API has no
-    ranged reads) but parsed one line at a time.
-    """
-
-    def __init__(self, storage: Storage, campaign: str, data: bytes) -> None:
-        self.storage, self.campaign, self._data = storage, campaign, data
-        self.lines = data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0)
-        self.duplicates = 0
-        self.bad_lines: list[int] = []
-
-    @classmethod
-    def open(cls, storage: Storage, campaign: str) -> Manifest:
-        """The campaign's manifest; a clear error naming campaign and URL if there is none."""
-        name = manifest_name(check_campaign(campaign))
-        try:
-            data = storage.get(name)
-        except FileNotFoundError:
-            raise JobError("campaign", campaign,
-                           f"no such campaign: {storage.url(name)} does not exist "
-                           f"(no finished jobs under {storage.describe()})") from None
-        return cls(storage, campaign, data)
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        seen: set[str] = set()
-        self.duplicates, self.bad_lines = 0, []
-        for number, line in enumerate(io.BytesIO(self._data), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                job_id = validate_job_id(record["job_id"])
-            except (ValueError, KeyError, TypeError) as err:
-                log.warning("%s line %d skipped: %s", self.storage.url(manifest_name(self.campaign)), number, err)
-                self.bad_lines.append(number)
-                continue
-            if job_id in seen:
-                self.duplicates += 1
-                continue
-            seen.add(job_id)
-            yield record
 
 
 # --------------------------------------------------------------------------- thumbnails
@@ -203,9 +153,11 @@ def _figure(record: dict[str, Any], eager: bool) -> str:
             f'</figcaption></figure>')
 
 
-def render_index(campaign: str, records: list[dict[str, Any]], total: int) -> str:
-    """The gallery page for ``records`` (newest first) out of ``total`` images."""
+def render_index(campaign: str, records: list[dict[str, Any]], total: int, manifest_link: bool = True) -> str:
+    """The gallery page for ``records`` (newest first) out of ``total`` images; it links the
+    manifest where that is one file (a local folder)."""
     name = html.escape(check_campaign(campaign))
+    manifest = ' · <a href="manifest.jsonl">manifest</a>' if manifest_link else ""
     shown = (f"showing the newest {len(records):,}" if len(records) < total else "all shown")
     updated = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     figures = "\n".join(_figure(r, i < EAGER_IMAGES) for i, r in enumerate(records))
@@ -217,7 +169,7 @@ def render_index(campaign: str, records: list[dict[str, Any]], total: int) -> st
 <style>{_STYLE}</style></head>
 <body><h1>{name}</h1>
 <p class="summary"><span id="total">{total:,} images</span>; {shown}. Updated {updated}.
-<a href="preview.png">contact sheet</a> · <a href="manifest.jsonl">manifest</a></p>
+<a href="preview.png">contact sheet</a>{manifest}</p>
 <main class="grid">
 {figures}
 </main></body></html>
@@ -245,22 +197,40 @@ class Gallery:
                 f"contact sheet {self.preview_url} ({self.tiles} tiles){made}")
 
 
+@dataclasses.dataclass
+class Seen:
+    """What a refresher has read of a campaign's manifest: where it stopped, the newest
+    records and how many there are."""
+
+    newest: collections.deque[dict[str, Any]]
+    cursor: Cursor | None = None
+    total: int = 0
+
+    def read(self, manifest: Manifest, storage: Storage, campaign: str) -> None:
+        """Take in the lines written since the last read."""
+        try:
+            lines, self.cursor = manifest.read(campaign, self.cursor)
+        except FileNotFoundError:
+            raise no_such_campaign(storage, campaign) from None
+        for record in Records(lines, f"{storage.url(campaign)} manifest"):
+            self.newest.append(record)
+            self.total += 1
+
+
 def refresh(storage: Storage, campaign: str, *, limit: int = DEFAULT_LIMIT, tiles: int = DEFAULT_TILES,
-            make_thumbnails: bool = False) -> Gallery:
+            make_thumbnails: bool = False, seen: Seen | None = None, manifest: Manifest | None = None) -> Gallery:
     """Rebuild CAMPAIGN/index.html (newest ``limit`` images) and CAMPAIGN/preview.png (newest
-    ``tiles``) from the manifest. Thumbnails the contact sheet needs are made from the PNGs if
-    missing; ``make_thumbnails`` also checks every listed image (one request each: the
-    `renderfarm gallery` command does it, the worker's periodic refresh does not need to)."""
+    ``tiles``) from the manifest (from where ``seen`` stopped, if given). Thumbnails the
+    contact sheet needs are made from the PNGs if missing; ``make_thumbnails`` also checks
+    every listed image (one request each: the `renderfarm gallery` command does it, the
+    worker's periodic refresh does not need to)."""
     for field, value in (("limit", limit), ("tiles", tiles)):
         if value < 1:
             raise JobError(field, value, "must be >= 1")
-    manifest = Manifest.open(storage, campaign)
-    newest: collections.deque[dict[str, Any]] = collections.deque(maxlen=limit)
-    total = 0
-    for record in manifest:
-        newest.append(record)
-        total += 1
-    shown = list(reversed(newest))
+    check_campaign(campaign)
+    seen = seen or Seen(collections.deque(maxlen=limit))
+    seen.read(manifest or open_manifest(storage), storage, campaign)
+    shown, total = list(reversed(seen.newest)), seen.total
     ids = [r["job_id"] for r in shown]
     made = 0
     with ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="gallery") as pool:
@@ -269,8 +239,8 @@ def refresh(storage: Storage, campaign: str, *, limit: int = DEFAULT_LIMIT, tile
         thumbs = list(pool.map(lambda job_id: _thumbnail(storage, campaign, job_id), ids[:tiles]))
     # Both are rebuilt from the manifest by every refresh: no fsync.
     storage.put(preview_name(campaign), contact_sheet(thumbs), "image/png", sync=False)
-    storage.put(index_name(campaign), render_index(campaign, shown, total).encode("utf-8"),
-                "text/html; charset=utf-8", sync=False)
+    page = render_index(campaign, shown, total, manifest_link=isinstance(storage, LocalStorage))
+    storage.put(index_name(campaign), page.encode("utf-8"), "text/html; charset=utf-8", sync=False)
     return Gallery(campaign, total, len(shown), len(thumbs), made,
                    storage.url(index_name(campaign)), storage.url(preview_name(campaign)))
 
@@ -279,13 +249,16 @@ class Refresher:
     """Keeps galleries fresh without a rebuild per batch: call :meth:`stored` with the
     campaigns of each stored batch (a campaign is refreshed at once the first time, then at
     most every ``interval`` seconds) and :meth:`flush` when the queue drains or the worker
-    stops. A failed refresh is logged, never raised: a gallery must not fail renders."""
+    stops. Each refresh reads only the manifest lines written since the last one. A failed
+    refresh is logged, never raised: a gallery must not fail renders."""
 
     def __init__(self, storage: Storage, interval: float = 30.0, limit: int = DEFAULT_LIMIT,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.storage, self.interval, self.limit, self.clock = storage, interval, limit, clock
+        self.manifest = open_manifest(storage)
         self._last: dict[str, float] = {}
         self._stale: set[str] = set()
+        self._seen: dict[str, Seen] = {}
 
     def stored(self, campaigns: Iterable[str]) -> None:
         self._stale.update(campaigns)
@@ -302,8 +275,9 @@ class Refresher:
     def _refresh(self, campaign: str) -> None:
         self._stale.discard(campaign)
         self._last[campaign] = self.clock()
+        seen = self._seen.setdefault(campaign, Seen(collections.deque(maxlen=self.limit)))
         try:
-            refresh(self.storage, campaign, limit=self.limit)
+            refresh(self.storage, campaign, limit=self.limit, seen=seen, manifest=self.manifest)
         except Exception:  # noqa: BLE001 - logged; the next refresh retries
             log.warning("gallery refresh of %s failed", campaign, exc_info=True)
 

@@ -13,6 +13,7 @@ import json
 import math
 import operator
 import re
+import reprlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,17 +21,39 @@ SCHEDULERS = ("pndm", "ddim", "lms", "euler", "dpm")
 DTYPES = ("float32", "bfloat16")
 SEED_LIMIT = 2**32
 MAX_PROMPT_CHARS = 10_000  # far beyond 77 tokens; stops megabyte prompts at the door
+MAX_MODEL_CHARS = 1_000  # hub ids, paths and URLs are far shorter
 SIZE_STEP = 64  # VAE factor x UNet downsampling of SD 1.x, 2.x and XL
 CAMPAIGN_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
+VARIANT_RE = re.compile(r"[a-z0-9_]{1,32}")  # a weights variant: fp16, bf16, ... (file name infix)
 
 # Fields that change the pixels, so they make the job id.
 PIXEL_FIELDS = (
     "model", "prompt", "negative_prompt", "seed", "steps", "guidance_scale",
-    "width", "height", "scheduler", "dtype",
+    "width", "height", "scheduler", "dtype", "variant",
 )
+# Pixel fields that enter the canonical JSON only when set, so ids made before they existed stay.
+OPTIONAL_PIXEL_FIELDS = ("variant",)
 # The canonical JSON a job id hashes: sorted keys, no spaces, UTF-8 as is. One encoder for
 # all jobs (json.dumps with options builds one per call, a third of a job id's cost).
 _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlist, _SHOWN.maxdict = 2, 80, 80, 4, 4
+
+
+def shown(value: Any) -> str:
+    """A short repr of any value a hostile producer can send: deep nesting, megabyte strings
+    and integers too long for repr (Python refuses over 4,300 digits) all stay short."""
+    if isinstance(value, str):
+        text = repr(value)
+        return text if len(text) <= 160 else f"{value[:80]!r}... ({len(value)} chars)"
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"<integer of {value.bit_length()} bits>"
+    try:
+        return _SHOWN.repr(value)
+    except (ValueError, RecursionError):
+        return f"<{type(value).__name__}>"
 
 
 class JobError(ValueError):
@@ -38,11 +61,9 @@ class JobError(ValueError):
 
     def __init__(self, field: str, value: Any, rule: str, line: int | None = None) -> None:
         self.field, self.value, self.rule, self.line = field, value, rule, line
-        shown = repr(value)
-        if len(shown) > 160:
-            shown = f"{shown[:80]}... ({len(shown)} chars)"
         where = f"line {line}: " if line is not None else ""
-        super().__init__(f"{where}{field}={shown}: {rule}")
+        name = field if isinstance(field, str) and len(field) <= 80 and field.isprintable() else shown(field)
+        super().__init__(f"{where}{name}={shown(value)}: {rule}")
 
     def at_line(self, line: int) -> JobError:
         return JobError(self.field, self.value, self.rule, line)
@@ -64,12 +85,17 @@ class JobSpec:
     dtype: str = "float32"
     campaign: str = "local"
     priority: int | None = None
+    variant: str | None = None  # which weights files of the model (diffusers' `variant`); None: the default
 
     @functools.cached_property
     def job_id(self) -> str:
         """Content-derived: the same pixels-defining spec always gives the same id. Cached
         (the spec is frozen): producers and workers ask for it several times per job."""
-        canonical = _CANONICAL.encode(dict(zip(PIXEL_FIELDS, _pixel_values(self))))
+        fields = dict(zip(PIXEL_FIELDS, _pixel_values(self)))
+        for name in OPTIONAL_PIXEL_FIELDS:
+            if fields[name] is None:
+                del fields[name]
+        canonical = _CANONICAL.encode(fields)
         return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:32]
 
     def to_dict(self) -> dict[str, Any]:
@@ -98,10 +124,30 @@ def check_int(field: str, value: Any, lo: int, hi: int) -> int:
     return value
 
 
-def _str(field: str, value: Any) -> str:
+def check_text(field: str, value: Any, limit: int) -> str:
+    """A string of at most `limit` characters that is valid Unicode: a lone surrogate
+    (`"\\ud800"` in JSON) has no UTF-8 form, so it could not be hashed into a job id."""
     if not isinstance(value, str):
         raise JobError(field, value, "must be a string")
+    if len(value) > limit:
+        raise JobError(field, value, f"must be at most {limit} characters")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise JobError(field, value, f"must be valid Unicode (lone surrogate at {err.start})") from None
     return value
+
+
+def check_number(field: str, value: Any, lo: float, hi: float) -> float:
+    """A finite number in lo..hi. Integers are compared as integers: a 400-digit one has
+    no float, and converting it first would raise OverflowError instead of this error."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise JobError(field, value, f"must be a number in {lo:g}..{hi:g}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise JobError(field, value, f"must be finite and in {lo:g}..{hi:g}")
+    if not lo <= value <= hi:
+        raise JobError(field, value, f"must be finite and in {lo:g}..{hi:g}")
+    return float(value)
 
 
 def check_campaign(value: Any) -> str:
@@ -112,6 +158,13 @@ def check_campaign(value: Any) -> str:
     return value
 
 
+def check_variant(value: Any) -> str:
+    """A weights variant names files (`diffusion_pytorch_model.fp16.safetensors`)."""
+    if not isinstance(value, str) or not VARIANT_RE.fullmatch(value):
+        raise JobError("variant", value, "must match [a-z0-9_]{1,32} (fp16, bf16, ...)")
+    return value
+
+
 def _size(field: str, value: Any, size_step: int) -> int | None:
     if value is None:
         return None
@@ -119,6 +172,13 @@ def _size(field: str, value: Any, size_step: int) -> int | None:
     if value % size_step:
         raise JobError(field, value, f"must be a multiple of {size_step} (the model's size step)")
     return value
+
+
+def _one_of(field: str, value: Any, names: tuple[str, ...], optional: bool = False) -> Any:
+    # `in` on a tuple compares with ==, which any JSON value supports (a list is never equal).
+    if (value is None and optional) or (isinstance(value, str) and value in names):
+        return value
+    raise JobError(field, value, f"must be one of {', '.join(names)}")
 
 
 def parse_job(data: Mapping[str, Any], *, size_step: int = SIZE_STEP) -> JobSpec:
@@ -132,33 +192,22 @@ def parse_job(data: Mapping[str, Any], *, size_step: int = SIZE_STEP) -> JobSpec
         if data.get(required) is None:
             raise JobError(required, None, "is required")
 
-    prompt = _str("prompt", data["prompt"])
+    prompt = check_text("prompt", data["prompt"], MAX_PROMPT_CHARS)
     if not prompt.strip():
         raise JobError("prompt", prompt, "must not be empty")
-    if len(prompt) > MAX_PROMPT_CHARS:
-        raise JobError("prompt", prompt, f"must be at most {MAX_PROMPT_CHARS} characters")
-    negative = _str("negative_prompt", data.get("negative_prompt", ""))
-    if len(negative) > MAX_PROMPT_CHARS:
-        raise JobError("negative_prompt", negative, f"must be at most {MAX_PROMPT_CHARS} characters")
-    model = _str("model", data["model"])
+    negative = check_text("negative_prompt", data.get("negative_prompt", ""), MAX_PROMPT_CHARS)
+    model = check_text("model", data["model"], MAX_MODEL_CHARS)
     if not model.strip():
         raise JobError("model", model, "must not be empty")
-
-    guidance = data.get("guidance_scale", 7.5)
-    if isinstance(guidance, bool) or not isinstance(guidance, (int, float)):
-        raise JobError("guidance_scale", guidance, "must be a number in 0..50")
-    if not math.isfinite(guidance) or not 0 <= guidance <= 50:
-        raise JobError("guidance_scale", guidance, "must be finite and in 0..50")
-
-    scheduler = data.get("scheduler")
-    if scheduler is not None and scheduler not in SCHEDULERS:
-        raise JobError("scheduler", scheduler, f"must be one of {', '.join(SCHEDULERS)}")
-    dtype = data.get("dtype", "float32")
-    if dtype not in DTYPES:
-        raise JobError("dtype", dtype, f"must be one of {', '.join(DTYPES)}")
+    guidance = check_number("guidance_scale", data.get("guidance_scale", 7.5), 0, 50)
+    scheduler = _one_of("scheduler", data.get("scheduler"), SCHEDULERS, optional=True)
+    dtype = _one_of("dtype", data.get("dtype", "float32"), DTYPES)
     priority = data.get("priority")
     if priority is not None:
         check_int("priority", priority, 0, 9)
+    variant = data.get("variant")
+    if variant is not None:
+        check_variant(variant)
 
     return JobSpec._validated(
         prompt=prompt,
@@ -166,11 +215,12 @@ def parse_job(data: Mapping[str, Any], *, size_step: int = SIZE_STEP) -> JobSpec
         seed=check_int("seed", data["seed"], 0, SEED_LIMIT - 1),
         negative_prompt=negative,
         steps=check_int("steps", data.get("steps", 25), 1, 500),
-        guidance_scale=float(guidance),
+        guidance_scale=guidance,
         width=_size("width", data.get("width"), size_step),
         height=_size("height", data.get("height"), size_step),
         scheduler=scheduler,
         dtype=dtype,
         campaign=check_campaign(data.get("campaign", "local")),
         priority=priority,
+        variant=variant,
     )

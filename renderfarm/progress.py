@@ -9,8 +9,9 @@ Keys (CAMPAIGN is validated by the job contract, so it cannot reach outside its 
   rf:c:CAMPAIGN:cancelled   set of job ids skipped because the campaign was cancelled
   rf:c:CAMPAIGN:cancel      flag: queued jobs of the campaign are skipped
   rf:c:CAMPAIGN:times       hash: first_done, last_done (unix seconds)
+  rf:c:CAMPAIGN:attempts    hash job id -> attempts started (the same spec in two campaigns is
+                            two jobs: each has its own attempts)
   rf:c:CAMPAIGN:submission:ID  set of the job ids one submission sent (expires after 7 days)
-  rf:attempts               hash job id -> attempts started
   rf:queues                 set of queue names producers have used
 """
 
@@ -22,7 +23,6 @@ from typing import Any
 
 import redis
 
-ATTEMPTS = "rf:attempts"
 QUEUES = "rf:queues"
 
 
@@ -53,7 +53,7 @@ class Progress:
         """Jobs submitted again start afresh: no stale failure, a full set of attempts."""
         pipe = self.r.pipeline(transaction=False)
         pipe.hdel(key(campaign, "failed"), *job_ids)
-        pipe.hdel(ATTEMPTS, *job_ids)
+        pipe.hdel(key(campaign, "attempts"), *job_ids)
         pipe.execute()
 
     def done_among(self, campaign: str, job_ids: list[str]) -> list[bool]:
@@ -84,9 +84,10 @@ class Progress:
             pipe.exists(key(campaign, "cancel"))
         return {c for c, flag in zip(campaigns, pipe.execute()) if flag}
 
-    def refund_attempt(self, job_id: str) -> None:
-        """An attempt that failed for reasons not the job's (storage down) does not count."""
-        self.r.hincrby(ATTEMPTS, job_id, -1)
+    def refund_attempt(self, campaign: str, job_id: str) -> None:
+        """An attempt that ended for reasons not the job's (storage down, the worker stopping)
+        does not count."""
+        self.r.hincrby(key(campaign, "attempts"), job_id, -1)
 
     def started(self, jobs: Iterable[tuple[str, str]]) -> list[int]:
         """Mark (campaign, job id) pairs running; returns each job's attempt number."""
@@ -94,8 +95,8 @@ class Progress:
         if not jobs:
             return []
         pipe = self.r.pipeline(transaction=False)
-        for job_id in (job_id for _, job_id in jobs):
-            pipe.hincrby(ATTEMPTS, job_id, 1)
+        for campaign, job_id in jobs:
+            pipe.hincrby(key(campaign, "attempts"), job_id, 1)
         for campaign, ids in _by_campaign(jobs).items():
             pipe.sadd(key(campaign, "running"), *ids)
         return pipe.execute()[:len(jobs)]

@@ -6,6 +6,9 @@ so Flower shows each job's campaign, prompt and seed. JSON only, events on, late
 
 from __future__ import annotations
 
+import ssl
+from urllib.parse import parse_qs, urlsplit
+
 from celery import Celery
 
 from renderfarm.jobs import JobSpec
@@ -16,9 +19,10 @@ QUEUE_PREFIX = "rf."
 PRIORITY_STEPS = list(range(10))
 
 
-def queue_name(model: str, dtype: str) -> str:
-    """Jobs for a model go to that model's queue; a worker consumes the queue of what it holds."""
-    return f"{QUEUE_PREFIX}{dtype}.{model}"
+def queue_name(model: str, dtype: str, variant: str | None = None) -> str:
+    """Jobs for a model go to that model's queue; a worker consumes the queue of what it holds
+    (the weights variant is part of it: another variant is other weights)."""
+    return f"{QUEUE_PREFIX}{dtype}{'' if variant is None else f'.{variant}'}.{model}"
 
 
 def redis_priority(priority: int | None) -> int:
@@ -60,16 +64,49 @@ def make_app(settings: Settings | None = None) -> Celery:
         worker_hijack_root_logger=False,
         result_expires=7 * 24 * 3600,
     )
+    if settings.broker_url.startswith("rediss://"):
+        app.conf.broker_use_ssl = tls_options(settings.broker_url)
     # Celery cuts argument reprs at 1 KiB; a job's spec must stay whole in Flower.
     app.amqp.argsrepr_maxsize = app.amqp.kwargsrepr_maxsize = 16384
     return app
+
+
+CERT_REQS = {"required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL, "none": ssl.CERT_NONE}
+
+
+def tls_options(url: str) -> dict[str, object]:
+    """The TLS settings of a `rediss://` URL's query (`ssl_cert_reqs`, `ssl_ca_certs`,
+    `ssl_certfile`, `ssl_keyfile`), as redis-py and Celery's result backend read them.
+    Certificates are verified unless the URL says `ssl_cert_reqs=none`."""
+    query = {key: values[-1] for key, values in parse_qs(urlsplit(url).query).items()}
+    reqs = query.get("ssl_cert_reqs", "required").lower().removeprefix("cert_")
+    if reqs not in CERT_REQS:
+        raise ValueError(f"ssl_cert_reqs={reqs!r} in the broker URL: must be required, optional or none")
+    options: dict[str, object] = {"ssl_cert_reqs": CERT_REQS[reqs]}
+    options.update({key: query[key] for key in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile") if key in query})
+    return options
 
 
 def job_message(spec: JobSpec) -> dict[str, object]:
     """The task options of one job: its id is the job id, its queue its model's."""
     return {
         "task_id": spec.job_id,
-        "queue": queue_name(spec.model, spec.dtype),
+        "queue": queue_name(spec.model, spec.dtype, spec.variant),
         "priority": redis_priority(spec.priority),
         "kwargs": spec.to_dict(),
     }
+
+
+# kombu's Redis transport keeps one list per priority step: QUEUE for step 0, then
+# QUEUE + SEP + step (`Channel._q_for_pri`); tests/test_broker.py checks this against kombu.
+PRIORITY_SEP = "\x06\x16"
+
+
+def priority_list(queue: str, step: int) -> str:
+    """The Redis list that holds `queue`'s messages of one kombu priority step."""
+    return f"{queue}{PRIORITY_SEP}{step}" if step else queue
+
+
+def priority_lists(queue: str) -> list[str]:
+    """Every Redis list of `queue`, most urgent first (the order workers pop them in)."""
+    return [priority_list(queue, step) for step in PRIORITY_STEPS]

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
     broker_url: str = "redis://localhost:6379/0"
-    # Seconds before a job held by a worker that died is delivered again. The clock starts
-    # when the message is prefetched, so it must exceed the longest batch plus the wait of
-    # a prefetched batch behind it; too long and a dead worker's jobs wait that long.
-    visibility_timeout: int = 3600
+    # Seconds before a job held by a worker that died is delivered again. A living worker
+    # re-stamps the messages it holds every quarter of this (worker.broker), so it bounds
+    # only how long a dead worker's jobs wait.
+    visibility_timeout: int = 300
     # How often (seconds) a worker scans for such jobs (kombu scans every interval x throttle).
     restore_interval: int = 10
     max_attempts: int = 3  # a job that fails this many times is failed for good
@@ -28,3 +29,9 @@ class Settings:
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
+
+
+def redacted(text: str) -> str:
+    """Text safe to print or log: the password of each URL in it replaced by ***. As redis-py
+    reads a URL, the password runs to the address's last `@` (it may hold `@` and `/`)."""
+    return re.sub(r"([a-z][a-z0-9+.-]*://[^:@/\s]*:)\S*@", r"\1***@", text, flags=re.IGNORECASE)

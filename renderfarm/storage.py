@@ -5,7 +5,8 @@ path / ``file://path``.  Layout under the root::
 
     ROOT/CAMPAIGN/JOB_ID.png        the image
     ROOT/CAMPAIGN/JOB_ID.json       sidecar JSON
-    ROOT/CAMPAIGN/manifest.jsonl    one line per finished job
+    ROOT/CAMPAIGN/manifest.jsonl    one line per finished job (local folders)
+    ROOT/CAMPAIGN/manifest/*.jsonl  the same as one part per stored batch (GCS; renderfarm.manifest)
     ROOT/CAMPAIGN/thumbs/JOB_ID.jpg thumbnail (~128 px) for the gallery
     ROOT/CAMPAIGN/index.html        static gallery page (relative links)
     ROOT/CAMPAIGN/preview.png       contact sheet of the newest thumbnails
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import abc
 import errno
-import fcntl
 import http.client
 import logging
 import os
@@ -136,26 +136,16 @@ def _check_name(name: str, *, prefix: bool = False) -> str:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How hard to retry.
-
-    ``attempts``/``base_delay``/``max_delay`` govern transient errors (total tries, first
-    backoff, backoff cap; delays double each time, with jitter).  ``contention_*`` govern
-    GCS ``append_lines`` retries after losing a compare-and-swap race (HTTP 412), which are
-    expected under concurrency and therefore get many more, shorter tries.
-    """
+    """How hard to retry transient errors: total tries, first backoff, backoff cap (delays
+    double each time, with jitter)."""
 
     attempts: int = 6
     base_delay: float = 0.2
     max_delay: float = 5.0
-    contention_attempts: int = 200
-    contention_base_delay: float = 0.005
-    contention_max_delay: float = 0.5
 
-    def delay(self, failures: int, *, contention: bool = False) -> float:
+    def delay(self, failures: int) -> float:
         """Jittered exponential delay after ``failures`` consecutive failures (>= 1)."""
-        base = self.contention_base_delay if contention else self.base_delay
-        cap = self.contention_max_delay if contention else self.max_delay
-        d = min(cap, base * (2 ** (failures - 1)))
+        d = min(self.max_delay, self.base_delay * (2 ** (failures - 1)))
         return d * (0.5 + random.random() / 2)
 
 
@@ -259,18 +249,6 @@ def _with_retries(fn: Callable[[], T], policy: RetryPolicy, what: str, *, local:
             time.sleep(delay)
 
 
-def _encode_lines(lines: list[str]) -> bytes:
-    """Join lines into JSONL bytes; embedded newlines would corrupt the one-record-per-line format."""
-    if isinstance(lines, str):
-        raise TypeError("append_lines expects a list of str, not a str")
-    for line in lines:
-        if not isinstance(line, str):
-            raise TypeError(f"append_lines expects str lines, got {type(line).__name__}")
-        if "\n" in line or "\r" in line:
-            raise ValueError(f"line must not contain newlines: {line[:80]!r}")
-    return "".join(line + "\n" for line in lines).encode("utf-8")
-
-
 # --------------------------------------------------------------------------- base
 
 
@@ -297,10 +275,6 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def list(self, prefix: str = "") -> Iterator[str]:
         """Names (relative to the root, sorted) that start with ``prefix``; fetched eagerly, then iterated."""
-
-    @abc.abstractmethod
-    def append_lines(self, name: str, lines: list[str]) -> None:
-        """Append ``lines`` (no embedded newlines) to a JSONL file; safe for concurrent appenders."""
 
     @abc.abstractmethod
     def url(self, name: str) -> str:
@@ -356,14 +330,27 @@ class LocalStorage(Storage):
         self.retry = retry or DEFAULT_RETRY
         self.durable = durable
         self.root.mkdir(parents=True, exist_ok=True)
+        self._real_folders: set[str] = set()  # top-level folders found not to be symlinks
 
-    def _path(self, name: str) -> Path:
-        return self.root / _check_name(name)
+    def path(self, name: str) -> Path:
+        """The file of ``name``. A campaign folder that is a symlink is refused: writes
+        would land wherever it points, outside the root."""
+        _check_name(name)
+        top = name.partition("/")[0]
+        if "/" in name and top not in self._real_folders:
+            folder = self.root / top
+            if folder.is_symlink():
+                raise ValueError(f"{folder} is a symlink: a campaign folder must be a real folder "
+                                 f"under {self.root}")
+            if folder.is_dir():
+                self._real_folders.add(top)
+        return self.root / name
+
 
     def put(self, name: str, data: bytes, content_type: str = "application/octet-stream",
             sync: bool = True) -> None:
         """Atomic write via temp file + os.replace in the same directory, so readers never see a partial file."""
-        path = self._path(name)
+        path = self.path(name)
         data = bytes(data)
         durable = self.durable and sync
 
@@ -397,11 +384,11 @@ class LocalStorage(Storage):
         _with_retries(op, self.retry, f"put {path}", local=True)
 
     def get(self, name: str) -> bytes:
-        path = self._path(name)
+        path = self.path(name)
         return _with_retries(path.read_bytes, self.retry, f"get {path}", local=True)
 
     def exists(self, name: str) -> bool:
-        path = self._path(name)
+        path = self.path(name)
         return _with_retries(path.is_file, self.retry, f"exists {path}", local=True)
 
     def list(self, prefix: str = "") -> Iterator[str]:
@@ -425,38 +412,8 @@ class LocalStorage(Storage):
 
         return iter(_with_retries(op, self.retry, f"list {self.root}/{prefix}", local=True))
 
-    def append_lines(self, name: str, lines: list[str]) -> None:
-        """One write under an exclusive flock, then fsync: concurrent processes never interleave lines.
-
-        If a previous writer crashed mid-line, a newline is inserted first so our lines stay intact.
-        """
-        payload = _encode_lines(lines)
-        if not payload:
-            return
-        path = self._path(name)
-
-        def op() -> None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                try:
-                    size = os.fstat(fd).st_size
-                    data = payload
-                    if size and os.pread(fd, 1, size - 1) != b"\n":
-                        data = b"\n" + payload
-                    _write_all(fd, data)
-                    if self.durable:
-                        os.fsync(fd)
-                finally:
-                    fcntl.flock(fd, fcntl.LOCK_UN)
-            finally:
-                os.close(fd)
-
-        _with_retries(op, self.retry, f"append {path}", local=True)
-
     def url(self, name: str) -> str:
-        return str(self._path(name))
+        return str(self.path(name))
 
     def describe(self) -> str:
         return self.root.as_uri()
@@ -563,93 +520,36 @@ class GCSStorage(Storage):
     def exists(self, name: str) -> bool:
         return self._run(lambda: self._blob(name).exists(retry=None, timeout=self.timeout), f"exists {self.url(name)}")
 
-    def list(self, prefix: str = "") -> Iterator[str]:
-        """Listing is collected fully inside the retry loop, so a mid-pagination blip restarts cleanly."""
+    def list(self, prefix: str = "", start_offset: str | None = None) -> Iterator[str]:
+        """Listing is collected fully inside the retry loop, so a mid-pagination blip restarts
+        cleanly. ``start_offset`` (a name) skips the names that sort before it."""
         _check_name(prefix, prefix=True)
         root = f"{self.prefix}/" if self.prefix else ""
+        start = None if start_offset is None else root + start_offset
 
         def op() -> list[str]:
-            blobs = self.client.list_blobs(self.bucket_name, prefix=root + prefix, retry=None, timeout=self.timeout)
+            blobs = self.client.list_blobs(self.bucket_name, prefix=root + prefix, start_offset=start,
+                                           retry=None, timeout=self.timeout)
             return sorted(b.name[len(root):] for b in blobs if not b.name.endswith("/"))
 
         return iter(self._run(op, f"list gs://{self.bucket_name}/{root}{prefix}"))
 
-    def _read_with_generation(self, name: str) -> tuple[bytes, int]:
-        """Current content and generation; (b"", 0) if absent (0 = "must not exist" precondition)."""
-        from google.api_core.exceptions import NotFound
+    def create(self, name: str, data: bytes, content_type: str = "application/octet-stream") -> bool:
+        """Store ``data`` under ``name`` only if nothing is there yet (``if_generation_match=0``);
+        False if something is. A retry after an ambiguous failure that did land finds it there."""
+        from google.api_core.exceptions import PreconditionFailed
 
-        blob = self._blob(name)
-        try:
-            data = blob.download_as_bytes(retry=None, timeout=self.timeout)
-        except NotFound:
-            return b"", 0
-        if blob.generation is None:  # pragma: no cover - server did not send x-goog-generation
-            blob.reload(retry=None, timeout=self.timeout)
-            return blob.download_as_bytes(if_generation_match=blob.generation, retry=None, timeout=self.timeout), int(blob.generation)
-        return data, int(blob.generation)
+        data = bytes(data)
 
-    def append_lines(self, name: str, lines: list[str]) -> None:
-        """Read-modify-write guarded by ``if_generation_match`` (0 when absent); lost races (412) retry.
-
-        After a transient error on the write we cannot know whether it landed, so the next read
-        checks whether the object already starts with what we wrote, to avoid appending twice.
-        Note: real GCS sustains ~1 write/s per object and every append rewrites the whole
-        object, so batch lines per call where possible.
-        """
-        from google.api_core.exceptions import PreconditionFailed, TooManyRequests
-
-        payload = _encode_lines(lines)
-        if not payload:
-            return
-        what = f"append {self.url(name)}"
-        transient = 0
-        contention = 0
-        maybe_written: bytes | None = None
-        while True:
+        def op() -> bool:
             try:
-                current, generation = self._read_with_generation(name)
-                if maybe_written is not None and current.startswith(maybe_written):
-                    return  # our earlier, apparently failed, write did land
-                maybe_written = None
-                if current and not current.endswith(b"\n"):
-                    current += b"\n"
-                new = current + payload
-                try:
-                    self._blob(name).upload_from_string(
-                        new,
-                        content_type="application/x-ndjson",
-                        if_generation_match=generation,
-                        retry=None,
-                        timeout=self.timeout,
-                    )
-                    return
-                except (PreconditionFailed, TooManyRequests):
-                    raise  # definite rejections: nothing was written
-                except Exception as exc:
-                    if is_transient_error(exc):
-                        maybe_written = new
-                    raise
-            except (PreconditionFailed, TooManyRequests) as exc:
-                # 412: another appender won the race.  429: GCS's per-object write-rate limit,
-                # the same contention seen from the other side; both get the larger budget.
-                contention += 1
-                if contention >= self.retry.contention_attempts:
-                    log.warning("storage: %s lost %d compare-and-swap races; giving up", what, contention)
-                    raise
-                delay = self.retry.delay(contention, contention=True)
-                if isinstance(exc, TooManyRequests):
-                    delay = max(delay, self.retry.delay(1))
-                time.sleep(delay)
-            except Exception as exc:
-                if not is_transient_error(exc):
-                    raise
-                transient += 1
-                if transient >= self.retry.attempts:
-                    log.warning("storage: %s failed after %d attempts: %r", what, transient, exc)
-                    raise
-                delay = self.retry.delay(transient)
-                log.info("storage: %s transient error (%r); retry in %.2fs", what, exc, delay)
-                time.sleep(delay)
+                self._blob(name).upload_from_string(data, content_type=content_type, if_generation_match=0,
+                                                    retry=None, timeout=self.timeout)
+            except PreconditionFailed:
+                return False
+            return True
+
+        return self._run(op, f"create {self.url(name)}")
 
     def url(self, name: str) -> str:
         return f"gs://{self.bucket_name}/{self._key(name)}"

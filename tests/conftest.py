@@ -76,9 +76,10 @@ def sdxl_engine(sdxl_model):  # noqa: ANN001, ANN201
 
 
 @pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisServer]:
-    """A redis-server of the module's own (a module may override it, e.g. with AOF on)."""
-    server = RedisServer(appendonly=False)
+def redis_server(request: pytest.FixtureRequest) -> Iterator[RedisServer]:
+    """A redis-server of the module's own; a module that restarts it sets REDIS_APPENDONLY
+    = True, so what was written survives (the append-only file, as in production)."""
+    server = RedisServer(appendonly=getattr(request.module, "REDIS_APPENDONLY", False))
     yield server
     server.close()
 

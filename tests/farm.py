@@ -13,12 +13,12 @@ from pathlib import Path
 
 import redis
 from celery import Celery
-from kombu import Connection
 from kombu.exceptions import OperationalError
 
 from renderfarm.jobs import JobSpec
+from renderfarm.manifest import open_manifest
 from renderfarm.progress import Progress
-from renderfarm.queue import TASK_NAME, job_message, make_app, queue_name
+from renderfarm.queue import TASK_NAME, job_message, make_app
 from renderfarm.settings import Settings
 from renderfarm.storage import Storage
 
@@ -75,15 +75,6 @@ def enqueue(app: Celery, progress: Progress, specs: Iterable[JobSpec]) -> list[J
     return specs
 
 
-def publish_raw(broker: str, model: str, body: bytes | str, headers: dict[str, object],
-                content_type: str = "application/json") -> None:
-    """Put an arbitrary message on a model's queue, as a broken or hostile producer would."""
-    queue = queue_name(model, "float32")
-    with Connection(broker) as conn:
-        conn.Producer().publish(body, routing_key=queue, exchange=queue, declare=[conn.SimpleQueue(queue).queue],
-                                headers=headers, content_type=content_type, content_encoding="utf-8")
-
-
 def wait_for(condition: Callable[[], bool], timeout: float, what: str, interval: float = 0.25) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -93,6 +84,11 @@ def wait_for(condition: Callable[[], bool], timeout: float, what: str, interval:
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def manifest_records(storage: Storage, campaign: str) -> list[dict]:
+    """Every line of a campaign's manifest, duplicates included (so tests can count them)."""
+    lines, _ = open_manifest(storage).read(campaign)
+    return [json.loads(line) for line in lines]
+
+
 def manifest_ids(storage: Storage, campaign: str) -> list[str]:
-    text = storage.get(f"{campaign}/manifest.jsonl").decode()
-    return [json.loads(line)["job_id"] for line in text.splitlines() if line]
+    return [record["job_id"] for record in manifest_records(storage, campaign)]

@@ -1,7 +1,7 @@
 """A real Flower process for tests, started through `renderfarm flower`, and a client for
 its HTTP API with basic auth.
 
-    with run_flower(redis.url, auth="ops:secret") as flower:
+    with run_flower(redis.url, auth="ops:s3cret-pw") as flower:
         flower.wait_for_workers([node_name])         # before sending jobs: see below
         ...send jobs...
         tasks = flower.api("/api/tasks?taskname=renderfarm.render")

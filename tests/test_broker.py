@@ -19,7 +19,8 @@ import redis
 from kombu import Connection, Exchange, Queue
 from kombu.asynchronous import Hub
 
-from renderfarm.queue import PRIORITY_STEPS, redis_priority
+from renderfarm import deadletters
+from renderfarm.queue import PRIORITY_STEPS, TASK_NAME, redis_priority
 from tests.redis_server import RedisServer
 
 TRANSPORT = "worker.broker:Transport"
@@ -37,12 +38,18 @@ def connect(url: str, transport: str = TRANSPORT, **options: Any) -> Iterator[Co
 
 
 def publish(url: str, messages: list[tuple[str, int | None]]) -> None:
-    """As a producer does: stock kombu, one message per (body, priority)."""
+    """As a producer does: stock kombu, one render-task message per (name, priority); the
+    transport's door (worker.envelope) lets only such messages through."""
     with connect(url, transport="redis") as conn:
         producer = conn.Producer()
-        for body, priority in messages:
-            producer.publish(body, exchange=QUEUE.exchange, routing_key=QUEUE.routing_key, declare=[QUEUE],
-                             priority=priority)
+        for name, priority in messages:
+            producer.publish([[], {"name": name}, {}], exchange=QUEUE.exchange, routing_key=QUEUE.routing_key,
+                             declare=[QUEUE], priority=priority, serializer="json",
+                             headers={"task": TASK_NAME, "id": name})
+
+
+def name(message: Any) -> str:
+    return message.payload[1]["name"]
 
 
 def queued(r: redis.Redis) -> int:
@@ -98,7 +105,7 @@ def test_priority_order_fifo_and_recorded_as_unacked_when_delivered(broker: str,
 
     with connect(broker) as conn, conn.Consumer(QUEUE, callbacks=[on_message]) as consumer:
         drain(conn, lambda: len(seen) == len(sent), 5)
-        assert [m.payload for m in seen] == [body for body, _ in sorted(sent, key=lambda s: s[1] or 0)]
+        assert [name(m) for m in seen] == [body for body, _ in sorted(sent, key=lambda s: s[1] or 0)]
         for message in seen[:5]:
             message.ack()
         consumer.channel.qos.flush_acks()
@@ -118,12 +125,12 @@ def test_many_messages_in_one_round_trip_within_the_prefetch(broker: str, redis_
         if acking:
             message.ack()
 
-    before = calls(r, "eval", "brpop", "hset")
+    before = calls(r, "evalsha", "brpop", "hset")
     with connect(broker) as conn, conn.Consumer(QUEUE, callbacks=[on_message], prefetch_count=16):
         conn.drain_events(timeout=2)
         assert len(received) == 16 and queued(r) == 24  # one reply, as many as the prefetch allows
-        # one EVAL, each message recorded once (by the script; QoS.append does not write again)
-        assert calls(r, "eval", "brpop", "hset") - before == 1 + 16
+        # one EVALSHA, each message recorded once (by the script; QoS.append does not write again)
+        assert calls(r, "evalsha", "brpop", "hset") - before == 1 + 16
         for message in received:
             message.ack()
         acking = True
@@ -154,7 +161,7 @@ def test_popped_by_a_consumer_killed_before_it_reads_the_reply_comes_back(broker
     received: list[Any] = []
     with connect(broker) as conn, conn.Consumer(QUEUE, callbacks=[lambda _, m: received.append(m)]) as consumer:
         drain(conn, lambda: len(received) == 5, 10)  # after the visibility timeout (1 s)
-        assert sorted(m.payload for m in received) == [f"m{i}" for i in range(5)]
+        assert sorted(name(m) for m in received) == [f"m{i}" for i in range(5)]
         assert all(m.delivery_info["redelivered"] for m in received)
         for message in received:
             message.ack()
@@ -169,38 +176,44 @@ def test_rejected_message_is_requeued_and_delivered_again(broker: str, redis_ser
         drain(conn, lambda: len(received) == 1, 5)
         received[0].reject(requeue=True)
         drain(conn, lambda: len(received) == 2, 5)
-    assert [m.payload for m in received] == ["again", "again"]
+    assert [name(m) for m in received] == ["again", "again"]
     assert received[1].delivery_info["redelivered"]
 
 
-def test_items_that_are_not_kombu_messages_are_dropped_and_the_rest_delivered(
+def test_items_that_are_not_job_messages_are_dead_lettered_and_the_rest_delivered(
         broker: str, redis_server: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
     r = redis_server.client()
     publish(broker, [("first", None)])
-    # garbage, no delivery tag, and one only Lua's JSON decoder accepts (hex): recorded, then dropped
+    # garbage, no delivery tag, one only Lua's JSON decoder accepts (hex): recorded, then released,
+    # and a kombu message that is not a render task
     lenient = ('{"properties": {"delivery_tag": "hex", "delivery_info": {"exchange": "jobs", "routing_key": "jobs"}},'
                ' "x": 0x10}')
     r.lpush(QUEUE.name, b'{"not json', b'{"properties": {}}', lenient)
+    with connect(broker, transport="redis") as conn:
+        conn.Producer().publish("plain text", exchange=QUEUE.exchange, routing_key=QUEUE.routing_key)
     publish(broker, [("last", None)])
     received: list[Any] = []
     with caplog.at_level(logging.ERROR, "worker.broker"), connect(broker) as conn, \
             conn.Consumer(QUEUE, callbacks=[lambda _, m: received.append(m)]):
         drain(conn, lambda: len(received) == 2, 5)
-        assert [m.payload for m in received] == ["first", "last"]
+        assert [name(m) for m in received] == ["first", "last"]
         assert queued(r) == 0
         assert set(r.hkeys("unacked")) == {m.delivery_tag.encode() for m in received}
         assert r.zscore("unacked_index", "hex") is None
-    assert sum("not a kombu message" in record.message for record in caplog.records) == 3
+    assert sum("dead-lettered" in record.message for record in caplog.records) == 4
+    letters = deadletters.DeadLetters(r).entries(QUEUE.name)
+    assert len(letters) == 4 and all(letter["reason"].startswith("message rejected: ") for letter in letters)
+    assert deadletters.DeadLetters(r).counts() == {QUEUE.name: {"total": 4, "kept": 4}}
 
 
 def test_idle_consumer_waits_in_redis_and_wakes_for_a_job(broker: str, redis_server: RedisServer) -> None:
     r = redis_server.client()
     received: list[tuple[float, str]] = []
-    with hub_consumer(broker, lambda body, m: (received.append((time.monotonic(), body)), m.ack())) as hub:
+    with hub_consumer(broker, lambda _, m: (received.append((time.monotonic(), name(m))), m.ack())) as hub:
         run_hub(hub, 3)  # the waits grow to 1 s
-        before = calls(r, "eval", "blmove", "brpop")
+        before = calls(r, "evalsha", "blmove", "brpop")
         run_hub(hub, 4)
-        assert calls(r, "eval", "blmove", "brpop") - before <= 10  # a wait and a pop a second
+        assert calls(r, "evalsha", "blmove", "brpop") - before <= 10  # a wait and a pop a second
         # A job on the waited list wakes the wait (the waits are 1 s long by now); one of another
         # priority is seen when the wait ends. Bounds with room for a loaded machine.
         for priority, latency in ((redis_priority(None), 0.5), (0, 2.5)):
@@ -219,10 +232,10 @@ def test_a_server_out_of_memory_keeps_the_messages_queued_and_is_not_hammered(
     with hub_consumer(broker, lambda _, m: received.append(m), unacked_restore_interval=60) as hub:
         r.config_set("maxmemory", 1)
         try:
-            before = calls(r, "eval", "blmove")
+            before = calls(r, "evalsha", "blmove")
             run_hub(hub, 3)
             assert received == [] and queued(r) == 3
-            assert 1 <= calls(r, "eval", "blmove") - before <= 20  # refused at once, retried after a wait
+            assert 1 <= calls(r, "evalsha", "blmove") - before <= 20  # refused at once, retried after a wait
         finally:
             r.config_set("maxmemory", 0)
         run_hub(hub, 3, until=lambda: len(received) == 3)
@@ -235,8 +248,90 @@ def test_with_a_global_key_prefix_it_consumes_as_stock_kombu(broker: str, redis_
     with connect(broker, global_keyprefix="pfx:") as conn, \
             conn.Consumer(QUEUE, callbacks=[lambda _, m: received.append(m)]):
         conn.Producer().publish("hello", exchange=QUEUE.exchange, routing_key=QUEUE.routing_key)
-        evals, brpops = calls(r, "eval"), calls(r, "brpop")
+        evals, brpops = calls(r, "evalsha"), calls(r, "brpop")
         drain(conn, lambda: bool(received), 5)
         assert [m.payload for m in received] == ["hello"]
         assert r.hexists("pfx:unacked", received[0].delivery_tag)
-        assert calls(r, "eval") == evals and calls(r, "brpop") > brpops
+        assert calls(r, "evalsha") == evals and calls(r, "brpop") > brpops
+
+
+def test_the_pop_script_is_loaded_again_after_a_restart_forgets_it(broker: str, redis_server: RedisServer) -> None:
+    """The script goes as EVALSHA; a Redis that restarted (here: SCRIPT FLUSH) answers
+    NOSCRIPT, and the next pop loads it again instead of failing."""
+    r = redis_server.client()
+    received: list[Any] = []
+    with connect(broker) as conn, conn.Consumer(QUEUE, callbacks=[lambda _, m: received.append(m)]):
+        publish(broker, [("before", None)])
+        drain(conn, lambda: len(received) == 1, 5)
+        r.script_flush()
+        publish(broker, [("after", None)])
+        drain(conn, lambda: len(received) == 2, 5)
+    assert [name(m) for m in received] == ["before", "after"]
+    assert calls(r, "evalsha") >= 2
+
+
+def test_held_messages_are_kept_fresh_and_a_dead_consumers_come_back(broker: str, redis_server: RedisServer) -> None:
+    """A consumer that holds messages past the visibility timeout (a long batch, a compile)
+    keeps them: its channel re-stamps their unacked entries. Once it is gone, they age and
+    come back."""
+    r = redis_server.client()
+    publish(broker, [(f"m{i}", None) for i in range(3)])
+    held: list[Any] = []
+    with connect(broker) as conn, conn.Consumer(QUEUE, callbacks=[lambda _, m: held.append(m)]) as consumer:
+        drain(conn, lambda: len(held) == 3, 5)
+        stamped = {tag: r.zscore("unacked_index", tag) for tag in (m.delivery_tag for m in held)}
+        with connect(broker) as other, other.Consumer(QUEUE, callbacks=[lambda _, m: held.append(m)]):
+            drain(other, lambda: False, 3)  # three visibility timeouts: its restore scans run
+        assert len(held) == 3 and queued(r) == 0  # nothing restored while they are held
+        assert all(r.zscore("unacked_index", tag) > score for tag, score in stamped.items())
+        consumer.channel._closing.set()  # as if the holder died: no more stamps
+        time.sleep(0.1)
+        returned: list[Any] = []
+        with connect(broker) as other, other.Consumer(QUEUE, callbacks=[lambda _, m: returned.append(m)]):
+            drain(other, lambda: len(returned) == 3, 10)
+        assert sorted(name(m) for m in returned) == ["m0", "m1", "m2"]
+
+
+def test_the_kombu_internals_the_transport_extends_are_those_it_was_written_for() -> None:
+    """worker.broker overrides and calls kombu's Redis transport internals. kombu is pinned to
+    the minor version they were read from; this fails loudly, naming what changed, if an
+    upgrade moves any of them."""
+    import inspect
+
+    import kombu
+    from kombu.asynchronous import Hub
+    from kombu.transport import redis as kredis
+    from kombu.transport import virtual
+
+    assert kombu.VERSION[:2] == (5, 7), f"kombu {kombu.__version__}: re-read worker/broker.py against it"
+    needed = {
+        kredis.Channel: ["_brpop_start", "_brpop_read", "_q_for_pri", "_create_client", "conn_or_acquire",
+                         "_flush_brpop_reauth", "close"],
+        kredis.Transport: ["_deliver", "register_with_event_loop"],
+        kredis.QoS: ["append", "ack", "reject", "pipe_or_acquire", "_remove_from_indices", "restore_by_tag",
+                     "can_consume_max_estimate"],
+        virtual.QoS: ["append", "ack"],
+        Hub: ["_pop_ready"],
+    }
+    for cls, names in needed.items():
+        missing = [n for n in names if not callable(getattr(cls, n, None))]
+        assert not missing, f"kombu {cls.__qualname__} lost {missing}"
+    assert list(inspect.signature(kredis.Channel._brpop_start).parameters) == ["self", "timeout"]
+    assert list(inspect.signature(kredis.QoS._remove_from_indices).parameters) == ["self", "delivery_tag", "pipe"]
+    assert list(inspect.signature(kredis.QoS.append).parameters) == ["self", "message", "delivery_tag"]
+    attributes = ["unacked_key", "unacked_index_key", "priority_steps", "sep", "visibility_timeout",
+                  "global_keyprefix"]
+    assert all(hasattr(kredis.Channel, a) for a in attributes), attributes
+    assert kredis.Channel.sep == "\x06\x16"  # renderfarm.queue.PRIORITY_SEP
+    assert "_delivered" in inspect.getsource(virtual.QoS.__init__)
+    source = inspect.getsource(kredis.Channel)
+    assert all(f"self.{a}" in source for a in ("_brpop_sent_at", "_in_poll", "brpop_timeout", "_queue_cycle"))
+
+
+def test_priority_lists_are_named_as_kombu_names_them(broker: str) -> None:
+    from renderfarm.queue import priority_list, priority_lists
+
+    with connect(broker) as conn:
+        channel = conn.default_channel
+        assert [channel._q_for_pri("q", step) for step in PRIORITY_STEPS] == priority_lists("q")
+        assert priority_list("q", 0) == "q"

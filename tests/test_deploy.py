@@ -1,7 +1,8 @@
 """What can be checked of the deployment files without a Docker engine or a TPU: they parse,
 the `renderfarm` commands they run are real subcommands with real flags (renderfarm.cli's
-own parser), and the settings the farm depends on are there (Redis persistence, Flower auth,
-the GCS emulator, private compile caches, one systemd-managed worker per TPU host).
+own parser), and the settings the farm depends on are there (Redis persistence and its
+password, Flower auth, the GCS emulator, private compile caches owned by a non-root user, one
+systemd-managed worker per TPU host under its own narrow service account).
 """
 
 from __future__ import annotations
@@ -15,16 +16,20 @@ import shlex
 import shutil
 import stat
 import subprocess
+import tempfile
+import time
 import tomllib
 from collections.abc import Iterator
 from importlib.metadata import version
 from pathlib import Path
 
 import pytest
+import redis
 import yaml
 from packaging.specifiers import SpecifierSet
 
 from renderfarm.cli import parser
+from tests.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 INFRA = ROOT / "infra"
@@ -36,7 +41,8 @@ CREATE = TPU / "create-tpu-vms.sh"
 OPERATIONS = ROOT / "docs" / "operations.md"
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
-BROKER = "redis://redis:6379/0"
+BROKER = "redis://:${RENDERFARM_REDIS_PASSWORD}@redis:6379/0"
+SECRETS = ("RENDERFARM_REDIS_PASSWORD", "RENDERFARM_FLOWER_AUTH")
 
 # -- validating `renderfarm ...` command lines against the real parser ---------------------------
 
@@ -174,7 +180,7 @@ def test_every_farm_role_is_checked() -> None:
 # -- docker-compose.yml ------------------------------------------------------------------------------
 
 def environment(service: dict) -> dict[str, str]:
-    env = service.get("environment", {})
+    env = service.get("environment") or {}
     if isinstance(env, list):
         env = dict(item.split("=", 1) for item in env)
     return {k: str(v) for k, v in env.items()}
@@ -235,11 +241,8 @@ def test_flower_needs_auth_and_shares_the_broker() -> None:
     flower = SERVICES["flower"]
     env = environment(flower)
     auth = env["RENDERFARM_FLOWER_AUTH"]
-    match = re.fullmatch(r"\$\{RENDERFARM_FLOWER_AUTH:-([^}]+)\}", auth)
-    assert match, f"RENDERFARM_FLOWER_AUTH should come from the environment with a default, got {auth!r}"
-    from renderfarm.flower import parse_auth
-
-    parse_auth(match[1])  # the default is well formed
+    assert re.fullmatch(r"\$\{RENDERFARM_FLOWER_AUTH:\?[^}]+\}", auth), \
+        f"RENDERFARM_FLOWER_AUTH must come from the environment, required, without a default: {auth!r}"
     assert env["RENDERFARM_BROKER_URL"] == BROKER
     argv = service_commands("flower", flower)[0]
     assert argv[0] == "flower" and "--no-auth" not in argv
@@ -255,9 +258,14 @@ def test_producer_is_a_tool_next_to_the_farm() -> None:
 
 
 def test_services_share_one_visibility_timeout() -> None:
+    """300 s: a living worker re-stamps what it holds, so the timeout only bounds how long a
+    dead worker's jobs wait, and the comment must not send readers back to batch budgets."""
     timeouts = {name: environment(s).get("RENDERFARM_VISIBILITY_TIMEOUT") for name, s in SERVICES.items()
                 if "RENDERFARM_BROKER_URL" in environment(s)}
-    assert len(set(timeouts.values())) == 1 and None not in timeouts.values(), timeouts
+    assert set(timeouts.values()) == {"300"}, timeouts
+    text = (ROOT / "docker-compose.yml").read_text()
+    comment = text[:text.index("RENDERFARM_VISIBILITY_TIMEOUT:")].rsplit("x-broker:", 1)[1]
+    assert "DEAD worker" in comment and "re-stamps" in comment, comment
 
 
 def test_volumes_and_dependencies_exist() -> None:
@@ -271,11 +279,137 @@ def test_volumes_and_dependencies_exist() -> None:
             assert dependency in SERVICES, f"{name} depends on unknown {dependency!r}"
 
 
-def test_every_variable_has_a_default() -> None:
-    """`docker compose up` must work with an empty environment."""
+def test_bind_mounts_exist_in_the_repository() -> None:
+    """A missing bind source is created by Docker, empty and root's: the service would see nothing."""
+    for name, service in SERVICES.items():
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0] if isinstance(volume, str) else volume.get("source", "")
+            if source.startswith("./") and source != "./out":  # ./out: where `render` writes
+                assert (ROOT / source).is_dir(), f"{name}: bind mount {source} is not in the repository"
+
+
+def test_beat_sees_the_campaign_files_where_the_producer_does() -> None:
+    """A schedule keeps the spec's prompt file by its path in the producer's container."""
+    def binds(name: str) -> set[str]:
+        return {v.removesuffix(":ro") for v in SERVICES[name]["volumes"] if v.startswith("./")}
+
+    shared = binds("beat") & binds("producer")
+    assert shared, "beat and producer must mount the campaign folder at the same path"
+    assert any(list((ROOT / v.split(":")[0]).glob("*.yaml")) for v in shared)
+
+
+# -- docker-compose.yml: secrets, interpolated as compose does --------------------------------------
+
+class MissingVariable(Exception):
+    pass
+
+
+VARIABLE = re.compile(r"\$(?:(?P<escaped>\$)|\{(?P<braced>[^}]*)\}|(?P<named>[A-Za-z_][A-Za-z0-9_]*))")
+
+
+def interpolate(value: object, env: dict[str, str]) -> object:
+    """Compose's interpolation of the parsed file's values: $$, $VAR, ${VAR}, ${VAR:-default},
+    ${VAR-default}, ${VAR:?error}, ${VAR?error} (the colon forms treat empty as unset)."""
+    if isinstance(value, dict):
+        return {k: interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, env) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def substitute(match: re.Match[str]) -> str:
+        if match["escaped"]:
+            return "$"
+        if match["named"]:
+            return env.get(match["named"], "")
+        name, op, arg = re.fullmatch(r"([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])(.*))?", match["braced"], re.DOTALL).groups()
+        current = env.get(name)
+        unset = current is None or (op is not None and op.startswith(":") and current == "")
+        if op in (":-", "-"):
+            return arg if unset else current
+        if op in (":?", "?") and unset:
+            raise MissingVariable(f"{name}: {arg}")
+        return current or ""
+
+    return VARIABLE.sub(substitute, value)
+
+
+def compose_with(**env: str) -> dict:
+    return interpolate(COMPOSE, env)
+
+
+def test_secrets_are_required_and_have_no_default() -> None:
+    """Without either secret compose refuses to start, naming it; everything else has a default."""
+    with_both = {name: f"value-of-{name}" for name in SECRETS}
+    compose_with(**with_both)
+    for name in SECRETS:
+        with pytest.raises(MissingVariable, match=f"^{name}: set {name}"):
+            compose_with(**{k: v for k, v in with_both.items() if k != name})
     text = (ROOT / "docker-compose.yml").read_text()
-    for match in re.finditer(r"\$\{([^}]*)\}", text):
-        assert ":-" in match[1], f"${{{match[1]}}} has no default"
+    for match in re.finditer(r"\$\{([A-Za-z_0-9]+)(:?-[^}]*)?\}", text):
+        assert match[1] not in SECRETS or not match[2], f"{match[0]}: a secret must have no default"
+
+
+def test_redis_password_reaches_redis_and_every_broker_url() -> None:
+    password = "pw-from-the-environment"
+    services = compose_with(RENDERFARM_REDIS_PASSWORD=password, RENDERFARM_FLOWER_AUTH="ops:x")["services"]
+    assert option(services["redis"]["command"], "--requirepass") == password
+    urls = {name: environment(s).get("RENDERFARM_BROKER_URL") for name, s in services.items()}
+    talks_to_redis = {name for name, s in SERVICES.items() if "redis" in s.get("depends_on", {})}
+    assert talks_to_redis >= {"worker", "flower", "beat", "producer"}
+    for name in talks_to_redis:
+        assert urls[name] == f"redis://:{password}@redis:6379/0", (name, urls[name])
+
+
+def test_redis_healthcheck_authenticates(tmp_path: Path) -> None:
+    """The compose healthcheck, run against redis-server started with the compose command:
+    healthy with the service's environment, unhealthy without the password in it."""
+    if not shutil.which("redis-server") or not shutil.which("redis-cli"):
+        pytest.skip("redis-server and redis-cli are needed")
+    redis_service = compose_with(RENDERFARM_REDIS_PASSWORD="hc-pw", RENDERFARM_FLOWER_AUTH="ops:x")["services"]["redis"]
+    port = free_port()
+    server = subprocess.Popen([*redis_service["command"], "--port", str(port), "--bind", "127.0.0.1",
+                               "--dir", str(tmp_path), "--save", ""],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                redis.Redis(port=port, password="hc-pw").ping()
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.05)
+        kind, script = redis_service["healthcheck"]["test"]
+        assert kind == "CMD-SHELL" and script.startswith("redis-cli ")
+        script = script.replace("redis-cli", f"redis-cli -p {port}", 1)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("REDISCLI_")}
+
+        def healthy(extra: dict[str, str]) -> bool:
+            return subprocess.run(["sh", "-c", script], env={**env, **extra}, timeout=10, check=False).returncode == 0
+
+        assert healthy(environment(redis_service))
+        assert not healthy({}), "the healthcheck passes without authenticating"
+    finally:
+        server.kill()
+        server.wait()
+
+
+# -- docker-compose.yml: a non-root image -------------------------------------------------------------
+
+def test_farm_containers_do_not_run_as_root() -> None:
+    for name, service in SERVICES.items():
+        if service.get("build", {}).get("dockerfile") == "infra/worker.Dockerfile":
+            assert str(service.get("user", "")).split(":")[0] not in ("root", "0"), name
+
+
+def test_shared_cache_is_a_named_volume() -> None:
+    """Only a named volume takes the image's /cache ownership (the worker's user, mode 700) on
+    first use; a bind mount would keep the host folder's, which the worker refuses."""
+    for name, service in SERVICES.items():
+        for volume in service.get("volumes", []):
+            if isinstance(volume, str) and volume.split(":")[1] == "/cache":
+                assert volume.split(":")[0] in (COMPOSE.get("volumes") or {}), (name, volume)
 
 
 # -- images --------------------------------------------------------------------------------------------
@@ -317,6 +451,39 @@ def test_worker_image() -> None:
     # The image installs a Flower that accepts the version the tests ran.
     spec = next(line.split("=", 1)[1] for line in lines if line.startswith("ARG FLOWER_SPEC="))
     assert version("flower") in SpecifierSet(spec.strip('"').removeprefix("flower"))
+
+
+def test_worker_image_runs_as_its_own_user_who_owns_the_caches() -> None:
+    """The worker refuses a compile cache that is not its user's or that others may write
+    (worker.executables.private_folder): the image's user must own them, mode 700."""
+    lines = dockerfile_lines(DOCKERFILE)
+    words = [shlex.split(line) for line in lines]
+    users = [i for i, w in enumerate(words) if w[0].upper() == "USER"]
+    assert users, "the image must end as a non-root USER"
+    last = users[-1]
+    assert all(w[0].upper() in ("ENV", "ENTRYPOINT", "CMD", "LABEL", "EXPOSE") for w in words[last + 1:])
+    user, _, group = words[last][1].partition(":")
+    assert user not in ("root", "0") and group not in ("root", "0")
+    run = " ".join(line for line in lines if line.startswith("RUN "))
+    created = re.search(r"useradd (.*?)(?:&&|$)", run)
+    assert created, "the image creates its user"
+    uid = re.search(r"--uid[ =](\d+)", created[1])
+    name = shlex.split(created[1])[-1]
+    assert uid and int(uid[1]) >= 1000, "a fixed, non-system uid"
+    assert user in (uid[1], name), f"USER {user} is not the user the image creates ({name}, uid {uid[1]})"
+    install = re.search(r"install -d (.*?)(?:&&|$)", run)
+    assert install, "the image creates its cache folders"
+    flags = shlex.split(install[1])
+    owner = flags[flags.index("-o") + 1]
+    assert owner in (name, uid[1]) and flags[flags.index("-m") + 1] == "700", flags
+    env = dict(pair.split("=", 1) for line in lines if line.startswith("ENV ")
+               for pair in shlex.split(line)[1:])
+    for variable in ("RENDERFARM_COMPILE_CACHE", "RENDERFARM_MODEL_CACHE"):
+        assert env[variable] in flags, f"{variable}={env[variable]} is not made the user's, mode 700"
+    made = [f for f in flags if f.startswith("/")]
+    for folder in made:  # each parent of a cache the image makes is made (and owned) too
+        parent = str(Path(folder).parent)
+        assert parent == "/" or parent in made, f"{parent} would be root's"
 
 
 # -- TPU VM provisioning --------------------------------------------------------------------------------
@@ -375,24 +542,69 @@ def test_startup_script_writes_what_the_unit_reads() -> None:
     assert "systemctl restart renderfarm-worker.service" in startup
 
 
+CREATE_SETTINGS = {"ZONE": "us-west4-a", "PROJECT": "proj", "MODEL": "org/model@main", "OUT": "gs://bucket/renders",
+                   "BROKER_SECRET": "renderfarm-broker", "PACKAGE": "renderfarm[tpu] @ git+https://x/y@v1"}
+ACCOUNT = "renderfarm-worker@proj.iam.gserviceaccount.com"
+
+
+def fake_gcloud(folder: Path, describe_exit: int = 0) -> Path:
+    """A `gcloud` that appends its arguments to folder/calls and succeeds (`iam service-accounts
+    describe` exits with `describe_exit`: 1 for an account that does not exist)."""
+    calls = folder / "calls"
+    script = folder / "gcloud"
+    script.write_text(f"""#!/usr/bin/env bash
+printf '%q ' "$@" >>{shlex.quote(str(calls))}; echo >>{shlex.quote(str(calls))}
+[[ "$1 $2 $3" == "iam service-accounts describe" ]] && exit {describe_exit}
+exit 0
+""")
+    script.chmod(0o755)
+    return calls
+
+
+def run_create(gcloud_dir: Path | None = None, **env: str) -> subprocess.CompletedProcess[str]:
+    path = os.environ["PATH"] if gcloud_dir is None else f"{gcloud_dir}{os.pathsep}{os.environ['PATH']}"
+    return subprocess.run(["bash", str(CREATE)], capture_output=True, text=True, check=False,
+                          env={"PATH": path, **CREATE_SETTINGS, **env})
+
+
 def create_dry_run(**env: str) -> str:
-    settings = {"DRY_RUN": "1", "ZONE": "us-west4-a", "MODEL": "org/model@main", "OUT": "gs://bucket/renders",
-                "BROKER_SECRET": "renderfarm-broker", "PACKAGE": "renderfarm[tpu] @ git+https://x/y@v1", **env}
-    result = subprocess.run(["bash", str(CREATE)], capture_output=True, text=True,
-                            env={"PATH": os.environ["PATH"], **settings})
-    assert result.returncode == 0, result.stderr
+    """The commands DRY_RUN=1 prints; a `gcloud` on the PATH must not be run at all."""
+    with tempfile.TemporaryDirectory() as folder:
+        calls = fake_gcloud(Path(folder))
+        result = run_create(Path(folder), DRY_RUN="1", **env)
+        assert result.returncode == 0, result.stderr
+        assert not calls.exists(), f"DRY_RUN=1 ran gcloud: {calls.read_text()}"
     return result.stdout
+
+
+def vm_creates(output: str) -> list[list[str]]:
+    return [words for line in output.splitlines() if (words := shlex.split(line))[:5] ==
+            ["gcloud", "compute", "tpus", "tpu-vm", "create"]]
+
+
+def flag_values(words: list[str]) -> dict[str, str]:
+    return dict(w.split("=", 1) for w in words if w.startswith("--") and "=" in w)
+
+
+def grants(output: str) -> set[tuple[str, str, str]]:
+    """(resource, member, role) of every IAM binding the output adds."""
+    found = set()
+    for line in output.splitlines():
+        words = shlex.split(line)
+        if "add-iam-policy-binding" in words:
+            flags = flag_values(words)
+            found.add((words[words.index("add-iam-policy-binding") + 1], flags["--member"], flags["--role"]))
+    return found
 
 
 @pytest.mark.parametrize(("generation", "accelerator", "runtime"),
                          [("v5e", "v5litepod-8", "v2-alpha-tpuv5-lite"), ("v6e", "v6e-8", "v2-alpha-tpuv6e")])
 def test_create_tpu_vms(generation: str, accelerator: str, runtime: str) -> None:
-    lines = create_dry_run(GENERATION=generation, COUNT="2").splitlines()
-    assert len(lines) == 2
-    for number, line in enumerate(lines, start=1):
-        words = shlex.split(line)
-        assert words[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "create", f"renderfarm-{generation}-{number}"]
-        flags = dict(w.split("=", 1) for w in words[6:] if w.startswith("--") and "=" in w)
+    creates = vm_creates(create_dry_run(GENERATION=generation, COUNT="2"))
+    assert len(creates) == 2
+    for number, words in enumerate(creates, start=1):
+        assert words[5] == f"renderfarm-{generation}-{number}"
+        flags = flag_values(words[6:])
         assert flags["--accelerator-type"] == accelerator and flags["--version"] == runtime
         files = dict(item.split("=", 1) for item in flags["--metadata-from-file"].split(","))
         assert Path(files["startup-script"]) == STARTUP and Path(files["renderfarm-worker-unit"]) == UNIT
@@ -410,11 +622,61 @@ def test_create_tpu_vms(generation: str, accelerator: str, runtime: str) -> None
 
 
 def test_create_tpu_vms_refuses_bad_settings() -> None:
-    for env in ({"GENERATION": "v4"}, {"CHIPS": "16"}, {"BROKER_SECRET": ""}):
-        result = subprocess.run(["bash", str(CREATE)], capture_output=True, text=True,
-                                env={"PATH": os.environ["PATH"], "DRY_RUN": "1", "ZONE": "z", "MODEL": "m",
-                                     "OUT": "gs://b/p", "PACKAGE": "p", "BROKER_SECRET": "s", **env})
-        assert result.returncode != 0 and "create-tpu-vms:" in result.stderr, env
+    for env, why in (({"GENERATION": "v4"}, "GENERATION"), ({"CHIPS": "16"}, "CHIPS"),
+                     ({"BROKER_SECRET": ""}, "BROKER_SECRET"), ({"OUT": "/local/out"}, "OUT"),
+                     ({"PROJECT": ""}, "PROJECT"),
+                     ({"SERVICE_ACCOUNT": "123-compute@developer.gserviceaccount.com"}, "SERVICE_ACCOUNT")):
+        result = run_create(DRY_RUN="1", **env)
+        assert result.returncode != 0, env
+        assert result.stderr.startswith("create-tpu-vms:") and why in result.stderr, (env, result.stderr)
+
+
+def test_create_tpu_vms_uses_a_dedicated_account_with_narrow_grants() -> None:
+    """The VMs run as the farm's own account, which may touch the output bucket's objects, read
+    the buckets it installs and loads from, and read the broker secret: nothing project-wide."""
+    member = f"serviceAccount:{ACCOUNT}"
+    output = create_dry_run(MODEL="gs://models/sd21", PACKAGE="gs://bucket/wheels/rf.whl",
+                            CONSTRAINTS="gs://wheels/requirements.lock")
+    lines = [shlex.split(line) for line in output.splitlines()]
+    assert all(words[0] == "gcloud" for words in lines), "DRY_RUN=1 prints gcloud commands only"
+    assert ["gcloud", "iam", "service-accounts", "create", "renderfarm-worker", "--project=proj"] == lines[0][:6]
+    assert grants(output) == {("gs://bucket", member, "roles/storage.objectUser"),
+                              ("gs://models", member, "roles/storage.objectViewer"),
+                              ("gs://wheels", member, "roles/storage.objectViewer"),
+                              ("renderfarm-broker", member, "roles/secretmanager.secretAccessor")}
+    secret = next(words for words in lines if words[:3] == ["gcloud", "secrets", "add-iam-policy-binding"])
+    assert flag_values(secret)["--project"] == "proj"
+    assert not any("projects" in words[:3] for words in lines), "no project-wide binding"
+    for words in vm_creates(output):
+        flags = flag_values(words)
+        assert flags["--service-account"] == ACCOUNT
+        # Secret Manager takes no narrower scope than cloud-platform; IAM limits the account.
+        assert set(flags["--scopes"].split(",")) == {"https://www.googleapis.com/auth/devstorage.read_write",
+                                                     "https://www.googleapis.com/auth/cloud-platform"}
+
+
+def test_create_tpu_vms_without_a_secret_has_storage_scope_only() -> None:
+    output = create_dry_run(BROKER_SECRET="", BROKER_URL="redis://:pw@10.0.0.3:6379/0")
+    assert grants(output) == {("gs://bucket", f"serviceAccount:{ACCOUNT}", "roles/storage.objectUser")}
+    for words in vm_creates(output):
+        assert flag_values(words)["--scopes"] == "https://www.googleapis.com/auth/devstorage.read_write"
+        assert flag_values(words)["--service-account"] == ACCOUNT
+
+
+@pytest.mark.parametrize("exists", [False, True])
+def test_create_tpu_vms_creates_or_reuses_the_account(tmp_path: Path, exists: bool) -> None:
+    """A real run (gcloud faked): the account is created only when `describe` does not find it,
+    and the grants and VMs follow in that order."""
+    calls = fake_gcloud(tmp_path, describe_exit=0 if exists else 1)
+    result = run_create(tmp_path, SERVICE_ACCOUNT="rf@proj.iam.gserviceaccount.com")
+    assert result.returncode == 0, result.stderr
+    run = [shlex.split(line)[:4] for line in calls.read_text().splitlines()]
+    expected = [["iam", "service-accounts", "describe", "rf@proj.iam.gserviceaccount.com"]]
+    expected += [] if exists else [["iam", "service-accounts", "create", "rf"]]
+    expected += [["storage", "buckets", "add-iam-policy-binding", "gs://bucket"],
+                 ["secrets", "add-iam-policy-binding", "renderfarm-broker", "--project=proj"],
+                 ["compute", "tpus", "tpu-vm", "create"]]
+    assert run == expected
 
 
 # -- docs ----------------------------------------------------------------------------------------------

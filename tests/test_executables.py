@@ -4,6 +4,9 @@ the same pixels, and never takes a program made for another model, shape or batc
 from __future__ import annotations
 
 import dataclasses
+import os
+import stat
+import time
 from pathlib import Path
 
 import jax
@@ -57,19 +60,13 @@ def test_program_names_change_with_everything_the_program_depends_on(sd_model: L
     assert Engine(sd_model, per_device_batch=2)._program_name(key) != name  # noqa: SLF001
     assert Engine(sd_model, devices=engine.devices[:4])._program_name(key) != name  # noqa: SLF001
     # Another architecture (here: another scheduler config) is another program ...
-    other_config = dict(sd_model.pipe.scheduler.config, beta_end=0.02)
-    changed = dataclasses.replace(sd_model, pipe=_with_scheduler_config(sd_model, other_config))
+    other_config = {**sd_model.configs["scheduler"], "beta_end": 0.02}
+    changed = dataclasses.replace(sd_model, configs={**sd_model.configs, "scheduler": other_config})
     assert Engine(changed)._program_name(key) != name  # noqa: SLF001
     # ... but other weights of the same architecture are only other inputs.
     reweighted = dataclasses.replace(sd_model, params={**sd_model.params,
                                                        "unet": jax.tree.map(lambda w: w * 2, sd_model.params["unet"])})
     assert Engine(reweighted)._program_name(key) == name  # noqa: SLF001
-
-
-def _with_scheduler_config(model: LoadedModel, config: dict) -> object:
-    pipe = model.pipe
-    scheduler = type(pipe.scheduler).from_config(config)
-    return type(pipe)(**{**pipe.components, "scheduler": scheduler}, dtype=pipe.dtype)
 
 
 def test_an_unreadable_saved_program_is_compiled_again(store: ExecutableStore, sd_model: LoadedModel,
@@ -86,8 +83,8 @@ def test_an_unreadable_saved_program_is_compiled_again(store: ExecutableStore, s
 
 def test_weights_that_do_not_match_their_config_are_refused_by_name(store: ExecutableStore,
                                                                     sd_model: LoadedModel) -> None:
-    """The loader leaves the weights' shapes to the engine: neither a saved program nor a
-    fresh compile runs a checkpoint whose tensors do not fit the architecture."""
+    """The loader checks a checkpoint's shapes (tests/test_weights.py); weights put together
+    by other means fit no saved program and fail to compile, by name."""
     unet = {**sd_model.params["unet"], "conv_in": {**sd_model.params["unet"]["conv_in"]}}
     unet["conv_in"]["bias"] = np.zeros(unet["conv_in"]["bias"].shape[0] + 1, np.float32)
     broken = dataclasses.replace(sd_model, params={**sd_model.params, "unet": unet})
@@ -97,3 +94,49 @@ def test_weights_that_do_not_match_their_config_are_refused_by_name(store: Execu
         engine.compiled(engine.check(spec(sd_model)))
     assert err.value.field == "model" and "conv_in" in err.value.rule and "bias" in err.value.rule
     assert store.loaded == loaded_before + 1  # the saved program was read, and then not used
+
+
+def test_programs_beyond_max_programs_are_evicted_least_recently_used_first(store: ExecutableStore,
+                                                                          sd_model: LoadedModel) -> None:
+    """Saved executables make these compiles cheap; what is kept in memory is at most two."""
+    engine = Engine(sd_model, executables=store, max_programs=2)
+    keys = [engine.check(spec(sd_model, steps=steps)) for steps in (STEPS, STEPS + 1, STEPS + 2)]
+    engine.compiled(keys[0])
+    engine.compiled(keys[1])
+    engine.compiled(keys[0])  # used again: keys[1] is now the least recently used
+    engine.compiled(keys[2])
+    assert [engine.ready(key) for key in keys] == [True, False, True]
+    with pytest.raises(JobError, match="max_programs=0: must be at least 1"):
+        Engine(sd_model, max_programs=0)
+
+
+def test_saved_executables_stay_within_their_cap(tmp_path: Path, store: ExecutableStore) -> None:
+    capped = ExecutableStore(tmp_path / "capped", max_bytes=3000)
+    for n, age in enumerate((300, 200, 100)):  # oldest first
+        path = capped.folder / f"old{n}.xla"
+        path.write_bytes(b"x" * 1000)
+        os.utime(path, (time.time() - age, time.time() - age))
+    capped._evict()
+    assert sorted(p.name for p in capped.folder.iterdir()) == ["old0.xla", "old1.xla", "old2.xla"]
+    (capped.folder / "new.xla").write_bytes(b"x" * 1000)
+    capped._evict()
+    assert sorted(p.name for p in capped.folder.iterdir()) == ["new.xla", "old1.xla", "old2.xla"]
+
+
+def test_a_cache_folder_others_can_write_to_is_refused(tmp_path: Path) -> None:
+    from worker.engine import enable_compilation_cache
+
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    with pytest.raises(JobError, match=r"compile_cache=.*shared.*must not be writable by group or others \(mode 777"):
+        ExecutableStore(shared)
+    with pytest.raises(JobError, match="must not be writable by group or others"):
+        enable_compilation_cache(shared)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir(mode=0o700)
+    os.chown(foreign, 65534, 65534)  # nobody's
+    with pytest.raises(JobError, match="must belong to the worker's user"):
+        ExecutableStore(foreign)
+    fresh = ExecutableStore(tmp_path / "new" / "folder")
+    assert stat.S_IMODE(fresh.folder.stat().st_mode) == 0o700

@@ -30,10 +30,11 @@ def test_flops_grow_with_steps_by_one_unet_call_per_step(sd_engine) -> None:  # 
     model = sd_engine.model
     per_device = sd_engine.batch_size // len(sd_engine.devices)
     latent = 64 // model.vae_scale_factor
-    step = unet_flops(model.pipe.unet, model.params["unet"], 2 * per_device, latent, latent)
+    unet = model.networks["unet"]
+    step = unet_flops(unet, model.params["unet"], 2 * per_device, latent, latent)
     assert step is not None and step > 0
     # a UNet call costs in proportion to its batch (two latents per job: guidance)
-    assert unet_flops(model.pipe.unet, model.params["unet"], 4 * per_device, latent, latent) == \
+    assert unet_flops(unet, model.params["unet"], 4 * per_device, latent, latent) == \
         pytest.approx(2 * step, rel=0.01)
     extra = sd_engine.flops(long) - sd_engine.flops(short)
     assert extra == pytest.approx(STEPS * step * len(sd_engine.devices), rel=1e-3)

@@ -31,6 +31,7 @@ from renderfarm.flower import (
     ENV_AUTH,
     FlowerConfigError,
     check_flower_options,
+    cmd_flower,
     flower_argv,
     parse_auth,
 )
@@ -249,6 +250,44 @@ def test_parse_auth() -> None:
     for bad in ("", "a", "a:", ":b", "a:b,", "a:b,,c:d"):
         with pytest.raises(FlowerConfigError, match=ENV_AUTH):
             parse_auth(bad)
+
+
+WELL_KNOWN = ["change-me", "changeme", "admin", "password", "flower", "secret", "123456", "Change_Me", "ADMIN"]
+
+
+def test_parse_auth_refuses_well_known_passwords() -> None:
+    messages = set()
+    for password in WELL_KNOWN:
+        with pytest.raises(FlowerConfigError, match="user 'ops' has a well-known or guessable password") as err:
+            parse_auth(f"viewer:a-long-random-one, ops:{password}")
+        messages.add(str(err.value))
+    assert len(messages) == 1, "the message must not depend on (so cannot show) the password"
+
+
+@pytest.mark.parametrize("entry", ["ops:ops", "Admin:admin", "grafana:GRAFANA"])
+def test_parse_auth_refuses_the_user_name_as_password(entry: str) -> None:
+    with pytest.raises(FlowerConfigError, match=f"user '{entry.split(':')[0]}' has a well-known or guessable"):
+        parse_auth(entry)
+
+
+def test_parse_auth_takes_other_passwords() -> None:
+    assert parse_auth("ops:change-me-now-7f3a, admin:s3cret-pw") == ["ops:change-me-now-7f3a", "admin:s3cret-pw"]
+
+
+def test_command_refuses_a_well_known_password_before_starting_flower(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Through the command's own function; Flower would start at make_app, which fails here."""
+    def start_flower(*args: object, **kwargs: object) -> None:
+        raise AssertionError("Flower would start with a well-known password")
+
+    monkeypatch.setattr("renderfarm.queue.make_app", start_flower)
+    monkeypatch.setenv(ENV_AUTH, "grafana:Change-Me")
+    args = argparse.Namespace(port=5555, address="127.0.0.1", max_tasks=100, flower_args=[], no_auth=False,
+                              broker="redis://127.0.0.1:9/0")
+    assert cmd_flower(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("renderfarm flower: error:") and "'grafana'" in err and ENV_AUTH in err
+    assert "Change-Me" not in err
 
 
 def test_flower_argv() -> None:

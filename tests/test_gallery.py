@@ -17,7 +17,7 @@ from PIL import Image
 from renderfarm import gallery
 from renderfarm.cli import main
 from renderfarm.jobs import parse_job
-from renderfarm.storage import Storage, manifest_name, open_storage, thumbnail_name
+from renderfarm.storage import Storage, index_name, manifest_name, open_storage, thumbnail_name
 from tests.conftest import STEPS
 from tests.gcs_emulator import GcsEmulator
 
@@ -47,6 +47,12 @@ def store_results(storage: Storage, model: Any, campaign: str, colours: list[tup
     return stored
 
 
+def append_raw(storage: Storage, campaign: str, lines: list[str]) -> None:
+    """Lines appended to a local manifest behind its back (the worker never writes a job twice)."""
+    with storage.path(manifest_name(campaign)).open("a") as file:
+        file.writelines(line + "\n" for line in lines)
+
+
 def chromium(*args: str) -> subprocess.CompletedProcess:
     exe = shutil.which("chromium")
     if exe is None:
@@ -66,7 +72,7 @@ def local(tmp_path: Path) -> Storage:
 
 def test_refresh_writes_index_and_contact_sheet(sd_model: Any, local: Storage) -> None:
     records = store_results(local, sd_model, "c1", COLOURS)
-    local.append_lines(manifest_name("c1"), [json.dumps(records[0])])  # a redelivered job: listed once
+    append_raw(local, "c1", [json.dumps(records[0])])  # a job's second line (an older release): listed once
     report = gallery.refresh(local, "c1")
     assert (report.total, report.shown, report.tiles) == (5, 5, 5)
 
@@ -146,7 +152,7 @@ def test_gallery_command_makes_missing_thumbnails(sd_model: Any, local: Storage,
 
     assert main(["gallery", "nope", "--from", str(local.root)]) == 2
     err = capsys.readouterr().err
-    assert "campaign='nope'" in err and str(local.root / "nope" / "manifest.jsonl") in err
+    assert "campaign='nope'" in err and f"{local.root / 'nope'}/ has no manifest" in err
     assert main(["gallery", "../etc", "--from", str(local.root)]) == 2
     assert "campaign='../etc': must match" in capsys.readouterr().err
 
@@ -182,3 +188,17 @@ def test_gallery_on_gcs(sd_model: Any, gcs: GcsEmulator) -> None:
     blob = storage.client.bucket(bucket).get_blob("renders/c7/index.html")
     assert blob.content_type.startswith("text/html") and "2 images" in blob.download_as_text()
     assert Image.open(io.BytesIO(storage.get("c7/preview.png"))).size == (2 * 132 + 4, 132 + 4)
+
+
+def test_a_refresh_reads_only_the_manifest_lines_written_since_the_last(sd_model: Any, local: Storage) -> None:
+    store_results(local, sd_model, "c8", COLOURS[:2])
+    refresher = gallery.Refresher(local, interval=0)
+    refresher.stored(["c8"])
+    assert "2 images" in local.get(index_name("c8")).decode()
+    # What the refresher has read is not read again: garbled in place, it still counts.
+    path = local.path(manifest_name("c8"))
+    path.write_bytes(b"x" * (path.stat().st_size - 1) + b"\n")
+    store_results(local, sd_model, "c8", COLOURS[2:4], prompts=["a third", "a fourth"])
+    refresher.stored(["c8"])
+    assert "4 images" in local.get(index_name("c8")).decode()
+    assert gallery.refresh(local, "c8").total == 2  # a full read does see the garbled lines

@@ -110,3 +110,23 @@ def test_producer_side_imports_without_jax() -> None:
 def test_spec_round_trip() -> None:
     spec = parse_job({**GOOD, "priority": 2, "scheduler": "dpm"})
     assert JobSpec(**spec.to_dict()) == spec == parse_job(spec.to_dict())
+
+
+def test_a_weights_variant_is_part_of_the_job_and_its_queue() -> None:
+    import hashlib
+    import json
+
+    from renderfarm.queue import job_message
+
+    plain = parse_job(GOOD)
+    # Without a variant the id is what it was before jobs had one: old campaigns resume as they were.
+    before = {"model": "m", "prompt": "a fox", "negative_prompt": "", "seed": 1, "steps": 25, "guidance_scale": 7.5,
+              "width": None, "height": None, "scheduler": None, "dtype": "float32"}
+    canonical = json.dumps(before, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    assert plain.job_id == hashlib.sha256(canonical.encode()).hexdigest()[:32]
+    fp16 = parse_job({**GOOD, "variant": "fp16"})
+    assert fp16.job_id != plain.job_id  # other weights, other pixels
+    assert job_message(fp16)["queue"] == "rf.float32.fp16.m" != job_message(plain)["queue"]
+    for bad in ("FP16", "fp16/../x", "", 16):
+        with pytest.raises(JobError, match=r"variant=.*: must match \[a-z0-9_\]\{1,32\}"):
+            parse_job({**GOOD, "variant": bad})

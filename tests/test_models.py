@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 from pathlib import Path
 
@@ -13,7 +15,8 @@ import pytest
 from renderfarm.jobs import JobError
 from renderfarm.storage import open_storage
 from tests.gcs_emulator import GcsEmulator
-from worker.models import LoadedModel, load_model
+from worker.models import LoadedModel, contained, load_model
+from worker.schedulers import make
 
 
 def same_params(a: LoadedModel, b: LoadedModel) -> bool:
@@ -23,9 +26,9 @@ def same_params(a: LoadedModel, b: LoadedModel) -> bool:
 
 
 def test_local_folder(sd_model: LoadedModel, sdxl_model: LoadedModel) -> None:
-    assert (sd_model.family, sdxl_model.family) == ("sd", "sdxl")
+    assert (sd_model.family.name, sdxl_model.family.name) == ("sd", "sdxl")
     assert sd_model.native_size == 64 and sd_model.revision is None
-    assert type(sdxl_model.pipe).__name__ == "FlaxStableDiffusionXLPipeline"
+    assert [name for name, _ in sdxl_model.networks.modules] == ["text_encoder", "text_encoder_2", "unet", "vae"]
 
 
 def test_gcs_folder_copied_once(tiny_sd: Path, sd_model: LoadedModel, gcs: GcsEmulator) -> None:
@@ -35,7 +38,7 @@ def test_gcs_folder_copied_once(tiny_sd: Path, sd_model: LoadedModel, gcs: GcsEm
         if path.is_file():
             bucket.put(path.relative_to(tiny_sd).as_posix(), path.read_bytes())
     loaded = load_model("gs://models/tiny-sd")
-    assert loaded.family == "sd" and same_params(loaded, sd_model)
+    assert loaded.family.name == "sd" and same_params(loaded, sd_model)
     gcs.stop()  # a second load needs no bucket: it is served from the local cache
     try:
         assert same_params(load_model("gs://models/tiny-sd"), sd_model)
@@ -54,7 +57,7 @@ def test_hub_id_with_revision_offline(tiny_sd: Path, sd_model: LoadedModel) -> N
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "v1").write_text(commit)
     loaded = load_model("acme/tiny-sd@v1")
-    assert (loaded.ref, loaded.revision, loaded.family) == ("acme/tiny-sd@v1", commit, "sd")
+    assert (loaded.ref, loaded.revision, loaded.family.name) == ("acme/tiny-sd@v1", commit, "sd")
     assert same_params(loaded, sd_model)
     with pytest.raises(JobError, match="model='acme/tiny-sd@v2'"):
         load_model("acme/tiny-sd@v2")
@@ -70,5 +73,68 @@ def test_not_a_pipeline_folder(tmp_path: Path) -> None:
 def test_bfloat16_keeps_scheduler_float32(tiny_sd: Path) -> None:
     model = load_model(str(tiny_sd), dtype="bfloat16")
     assert {x.dtype for x in jax.tree.leaves(model.params["unet"])} == {jnp.dtype(jnp.bfloat16)}
-    floats = [x for x in jax.tree.leaves(model.params["scheduler"]) if jnp.issubdtype(x.dtype, jnp.floating)]
-    assert floats and {x.dtype for x in floats} == {jnp.dtype(jnp.float32)}
+    state = make(model.default_scheduler, model.configs["scheduler"]).set_timesteps(3, (1, 4, 8, 8))
+    floats = [x for x in jax.tree.leaves(state) if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)]
+    assert floats and {jnp.asarray(x).dtype for x in floats} == {jnp.dtype(jnp.float32)}
+
+
+@pytest.mark.parametrize("name", ["unet/../../../escaped.txt", "/etc/cron.d/x", "unet//x", "./x", "a\\..\\x"])
+def test_object_names_that_leave_the_model_folder_are_refused(name: str) -> None:
+    with pytest.raises(JobError, match=f"holds an object named {re.escape(repr(name))}"):
+        contained("gs://b/m", ["model_index.json", name])
+    assert contained("gs://b/m", ["model_index.json", "unet/config.json"]) == ["model_index.json", "unet/config.json"]
+
+
+def test_a_gcs_folder_with_an_object_named_outside_it_is_refused_before_anything_is_written(
+        tiny_sd: Path, gcs: GcsEmulator) -> None:
+    from renderfarm.storage import make_gcs_client
+
+    gcs.create_bucket("hostile-models")
+    bucket = make_gcs_client().bucket("hostile-models")
+    for path in tiny_sd.rglob("*"):
+        if path.is_file():
+            bucket.blob(f"m/{path.relative_to(tiny_sd).as_posix()}").upload_from_filename(str(path))
+    bucket.blob("m/unet\\..\\x").upload_from_string(b"a name the emulator keeps as it is")
+    with pytest.raises(JobError, match="holds an object named"):
+        load_model("gs://hostile-models/m")
+    assert not list(Path(os.environ["RENDERFARM_MODEL_CACHE"]).glob("*partial*"))
+
+
+def test_the_worker_imports_no_torch_diffusers_or_transformers() -> None:
+    """The model layer is the project's own: loading and rendering need none of them."""
+    import subprocess
+    import sys
+
+    code = ("import sys, worker.engine, worker.models, worker.farm, worker.tiny, worker.commands\n"
+            "bad = sorted(m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules)\n"
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_hub_gives_configs_tokenizer_files_and_the_asked_weights_only() -> None:
+    """What snapshot_download's allow_patterns (fnmatch, as huggingface_hub applies them)
+    select of a typical SDXL repo: never a pickle, never another variant's weights."""
+    from fnmatch import fnmatch
+
+    from worker.models import hub_patterns
+
+    repo = ["model_index.json", "scheduler/scheduler_config.json", "tokenizer/vocab.json", "tokenizer/merges.txt",
+            "tokenizer/special_tokens_map.json", "text_encoder/config.json", "text_encoder/model.safetensors",
+            "text_encoder/model.fp16.safetensors", "text_encoder/pytorch_model.bin", "text_encoder/flax_model.msgpack",
+            "unet/config.json", "unet/diffusion_pytorch_model.safetensors",
+            "unet/diffusion_pytorch_model.safetensors.index.json",
+            "unet/diffusion_pytorch_model-00001-of-00002.safetensors",
+            "unet/diffusion_pytorch_model.fp16.safetensors", "unet/diffusion_pytorch_model.bin",
+            "unet/diffusion_pytorch_model.fp16-00001-of-00002.safetensors", "vae/diffusion_flax_model.msgpack",
+            "sd_xl_base_1.0.safetensors", "sd_xl_base_1.0.ckpt", "README.md", "images/example.png"]
+
+    def fetched(variant: str | None) -> set[str]:
+        return {name for name in repo if any(fnmatch(name, pattern) for pattern in hub_patterns(variant))}
+
+    configs = {name for name in repo if name.endswith((".json", ".txt"))}
+    assert fetched(None) == configs | {
+        "text_encoder/model.safetensors", "text_encoder/flax_model.msgpack", "unet/diffusion_pytorch_model.safetensors",
+        "unet/diffusion_pytorch_model-00001-of-00002.safetensors", "vae/diffusion_flax_model.msgpack"}
+    assert fetched("fp16") == configs | {
+        "text_encoder/model.fp16.safetensors", "unet/diffusion_pytorch_model.fp16.safetensors",
+        "unet/diffusion_pytorch_model.fp16-00001-of-00002.safetensors"}

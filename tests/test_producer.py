@@ -230,7 +230,7 @@ def test_status_reports_counts_failures_and_queues_nobody_consumes(cli: Cli, bro
     assert {k: report[k] for k in ("submitted", "queued", "running", "done", "failed", "cancelled")} == \
         {"submitted": 3, "queued": 1, "running": 0, "done": 1, "failed": 1, "cancelled": 0}
     assert report["failures"] == {specs[1].job_id: "out of memory"}
-    assert report["queues"] == [{"name": "rf.float32.some/model", "jobs": 3, "consumers": 0}]
+    assert report["queues"] == [{"name": "rf.float32.some/model", "jobs": 3, "consumers": 0, "dead_letters": 0}]
     warning = "queue rf.float32.some/model has 3 jobs and no worker consumes it"
     assert report["warnings"] == [warning]
 
@@ -319,7 +319,7 @@ def test_a_real_celery_worker_consumes_submitted_jobs_intact_and_by_priority(
         assert {r["queue"] for r in records} == {queue}
 
         report = campaign_status("echo", broker)  # the live worker answers: it consumes the queue
-        assert report["queues"] == [{"name": queue, "jobs": 0, "consumers": 1}]
+        assert report["queues"] == [{"name": queue, "jobs": 0, "consumers": 1, "dead_letters": 0}]
         assert report["warnings"] == []
     finally:
         worker.terminate()

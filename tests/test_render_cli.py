@@ -13,6 +13,7 @@ from PIL import Image
 from renderfarm.cli import main
 from renderfarm.storage import open_storage
 from tests.conftest import STEPS
+from tests.farm import manifest_records
 from tests.gcs_emulator import GcsEmulator
 
 SIDECAR_FIELDS = {"job_id", "spec", "width", "height", "scheduler", "truncated", "model", "dtype",
@@ -48,10 +49,10 @@ def test_layout_sidecars_and_seeds(tiny_sd: Path, tmp_path: Path, capsys: pytest
         assert hashlib.sha256(png).hexdigest() == record["png_sha256"]
         assert Image.open(io.BytesIO(png)).size == (64, 64)
         assert record["spec"]["negative_prompt"] == "blurry" and record["spec"]["campaign"] == "c1"
-        assert record["model"] == {"ref": str(tiny_sd), "revision": None, "family": "sd"}
+        assert record["model"] == {"ref": str(tiny_sd), "revision": None, "variant": None, "family": "sd"}
         assert record["worker"]["device_count"] == 8 and record["batch"]["slots"] == 8
         assert (record["width"], record["height"], record["scheduler"]) == (64, 64, "pndm")
-        assert record["versions"]["diffusers"] == "0.39.0"
+        assert "diffusers" not in record["versions"] and record["versions"]["flax"] != "unknown"
 
 
 def test_jsonl_jobs_and_gcs_output(tiny_sd: Path, tmp_path: Path, gcs: GcsEmulator) -> None:
@@ -62,7 +63,7 @@ def test_jsonl_jobs_and_gcs_output(tiny_sd: Path, tmp_path: Path, gcs: GcsEmulat
     assert render("--prompts", str(jobs), "--model", str(tiny_sd), "--out", "gs://renders/run1",
                   "--seed", "100") == 0
     bucket = open_storage("gs://renders/run1")
-    fox, dog = (json.loads(bucket.get(name)) for name in ("local/manifest.jsonl", "dogs/manifest.jsonl"))
+    (fox,), (dog,) = (manifest_records(bucket, campaign) for campaign in ("local", "dogs"))
     assert (fox["spec"]["seed"], fox["spec"]["guidance_scale"]) == (3, 2.0)
     assert (dog["spec"]["seed"], dog["scheduler"]) == (101, "ddim")
     assert bucket.exists(f"dogs/{dog['job_id']}.png") and bucket.exists(f"local/{fox['job_id']}.json")

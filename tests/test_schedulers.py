@@ -1,90 +1,207 @@
-"""worker.schedulers.LMSScheduler: PyTorch diffusers' K-LMS numerics, under jit + fori_loop."""
+"""worker.schedulers against PyTorch diffusers 0.42.1: the same configs, the same denoising loop and the
+same fake UNet as tests/oracle/schedulers.py, which wrote tests/data/schedulers/ (no torch here)."""
 
 from __future__ import annotations
 
-import os
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import Any
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
 
-import json  # noqa: E402
-from pathlib import Path  # noqa: E402
+from worker.schedulers import SCHEDULERS, Scheduler, make
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-from worker.schedulers import LMSScheduler, LMSState  # noqa: E402
-
-# Written by tests/data/make_lms_reference.py (PyTorch diffusers 0.39 LMSDiscreteScheduler).
-REFERENCE = json.loads((Path(__file__).parent / "data" / "lms_reference.json").read_text())
+DATA = Path(__file__).parent / "data" / "schedulers"
+REFERENCE = json.loads((DATA / "cases.json").read_text(encoding="utf-8"))
+TRAJECTORIES = np.load(DATA / "trajectories.npz")
+NOISE = jnp.asarray(TRAJECTORIES["noise"])
+CASES = {case["id"]: case for case in REFERENCE["cases"]}
+# The longest run of each config (cases come in increasing step counts) goes through jit +
+# fori_loop as worker.generate runs it; compiling every case would take half a minute, so the
+# others make the same calls op by op, with the same int32 array index.
+JITTED = set({(c["scheduler"], c["config"]): c["id"] for c in REFERENCE["cases"] if "error" not in c}.values())
+# Differences are measured against the largest |sample| of the run (noise * init_noise_sigma
+# included): float32 resolves that much, and DPM's x0 at sigma 14.6 amplifies its rounding 15-fold.
+RTOL = 1e-5
 
 
 def fake_model(x: jax.Array, t: jax.Array) -> jax.Array:
-    """The reference script's stand-in for the UNet."""
+    """The oracle's stand-in for the UNet."""
     return 0.1 * jnp.sin(x) + 0.001 * t * x
 
 
-def denoise(scheduler: LMSScheduler, steps: int, noise: jax.Array) -> tuple[jax.Array, LMSState]:
-    """worker.generate._denoise's use of the scheduler, with fake_model as the UNet."""
-    state = scheduler.set_timesteps(scheduler.create_state(), num_inference_steps=steps, shape=noise.shape)
+def scheduler_for(case: dict[str, Any]) -> Scheduler:
+    return make(case["scheduler"], REFERENCE["configs"][case["config"]])
+
+
+def denoise(scheduler: Scheduler, state: Any, noise: jax.Array, dtype: Any = jnp.float32) -> tuple[jax.Array, Any]:
+    """The pipeline's loop as worker.generate runs it (fori_loop over the model evaluations), with
+    the UNet's input and output in `dtype`; returns the sample after every evaluation and the state."""
     latents = noise * state.init_noise_sigma
+    trajectory = jnp.zeros((state.timesteps.shape[0], *noise.shape), latents.dtype)
 
-    def body(step: int, carry: tuple[jax.Array, LMSState]) -> tuple[jax.Array, LMSState]:
-        latents, state = carry
-        t = jnp.array(state.timesteps, dtype=jnp.int32)[step]
-        model_input = scheduler.scale_model_input(state, latents, t)
-        # PyTorch feeds the model the float timestep (fractional for linspace spacing).
-        noise_pred = fake_model(model_input, state.timesteps[step])
-        return scheduler.step(state, noise_pred, t, latents).to_tuple()
+    def body(i: jax.Array, carry: tuple[jax.Array, Any, jax.Array]) -> tuple[jax.Array, Any, jax.Array]:
+        latents, state, trajectory = carry
+        model_input = scheduler.scale_model_input(state, latents, i).astype(dtype)
+        output = fake_model(model_input, state.timesteps[i].astype(dtype))
+        latents, state = scheduler.step(state, output, i, latents)
+        return latents, state, trajectory.at[i].set(latents)
 
-    return jax.lax.fori_loop(0, steps, body, (latents, state))
-
-
-@pytest.mark.parametrize("steps", [3, 6])
-def test_matches_pytorch_diffusers(steps: int) -> None:
-    expected = REFERENCE["runs"][str(steps)]
-    scheduler = LMSScheduler.from_config(REFERENCE["config"])
-    noise = jnp.asarray(REFERENCE["noise"], jnp.float32).reshape(REFERENCE["shape"])
-
-    sample, state = jax.jit(denoise, static_argnums=(0, 1))(scheduler, steps, noise)
-
-    np.testing.assert_array_equal(state.timesteps, expected["timesteps"])
-    np.testing.assert_allclose(state.sigmas, expected["sigmas"], rtol=1e-5)
-    np.testing.assert_allclose(state.init_noise_sigma, expected["init_noise_sigma"], rtol=1e-5)
-    # The SD pipeline reads init_noise_sigma before set_timesteps: same value for linspace.
-    np.testing.assert_allclose(
-        scheduler.create_state().init_noise_sigma, expected["init_noise_sigma"], rtol=1e-5)
-    np.testing.assert_allclose(sample.ravel(), expected["sample"], rtol=1e-4, atol=1e-5)
+    _, state, trajectory = jax.lax.fori_loop(0, state.timesteps.shape[0], body, (latents, state, trajectory))
+    return trajectory, state
 
 
-@pytest.mark.parametrize("steps", [3, 6])
-def test_state_shapes_fixed_and_one_trace(steps: int) -> None:
-    scheduler = LMSScheduler.from_config(REFERENCE["config"])
-    shape = (2, 4, 8, 8)
-    state = scheduler.set_timesteps(scheduler.create_state(), num_inference_steps=steps, shape=shape)
+def denoise_eagerly(scheduler: Scheduler, state: Any, noise: jax.Array) -> tuple[jax.Array, Any]:
+    """`denoise` op by op: the same calls, a Python loop."""
+    latents, trajectory = noise * state.init_noise_sigma, []
+    for i in map(jnp.int32, range(state.timesteps.shape[0])):
+        output = fake_model(scheduler.scale_model_input(state, latents, i), state.timesteps[i])
+        latents, state = scheduler.step(state, output, i, latents)
+        trajectory.append(latents)
+    return jnp.stack(trajectory), state
+
+
+def difference(case: dict[str, Any], trajectory: jax.Array) -> float:
+    """max |ours - PyTorch's| over the run, relative to the run's largest |sample|."""
+    expected = TRAJECTORIES[case["id"]]
+    assert trajectory.shape == expected.shape
+    scale = max(np.abs(expected).max(), np.abs(NOISE).max() * case["init_noise_sigma"])
+    return float(np.abs(np.asarray(trajectory) - expected).max() / scale)
+
+
+@pytest.mark.parametrize("case_id", list(CASES), ids=list(CASES))
+def test_matches_pytorch_diffusers(case_id: str) -> None:
+    case = CASES[case_id]
+    if "error" in case:  # PyTorch fails on this config and step count; we refuse it
+        with pytest.raises(ValueError):
+            scheduler_for(case).set_timesteps(case["steps"], NOISE.shape)
+        return
+    scheduler = scheduler_for(case)
+    state = scheduler.set_timesteps(case["steps"], NOISE.shape)
+
+    # Fractional timesteps may differ in the last bit: torch's float32 sqrt is not correctly rounded.
+    np.testing.assert_allclose(state.timesteps, case["timesteps"], rtol=3e-7)
+    assert state.timesteps.dtype == jnp.float32
+    np.testing.assert_allclose(state.init_noise_sigma, case["init_noise_sigma"], rtol=1e-6)
+    run = jax.jit(denoise, static_argnums=0) if case_id in JITTED else denoise_eagerly
+    trajectory, _ = run(scheduler, state, NOISE)
+    assert difference(case, trajectory) <= RTOL
+
+
+# One run per scheduler with history buffers in use: PRK, order-4 LMS, order-3 DPM.
+HISTORY_CASES = ["pndm/sd15-skip_prk_steps=False/7", "ddim/sd21/7", "lms/sd15/7", "euler/sdxl/7",
+                 "dpm/sd15-solver_order=3-lower_order_final=False/7"]
+
+
+@pytest.mark.parametrize("case_id", HISTORY_CASES)
+def test_state_shapes_fixed_and_one_trace(case_id: str) -> None:
+    case = CASES[case_id]
+    scheduler = scheduler_for(case)
+    state = scheduler.set_timesteps(case["steps"], NOISE.shape)
     traces = []
 
     @jax.jit
-    def step(state: LMSState, sample: jax.Array) -> tuple[jax.Array, LMSState]:
+    def step(state: Any, sample: jax.Array, i: jax.Array) -> tuple[jax.Array, Any]:
         traces.append(None)
-        return scheduler.step(state, fake_model(sample, 500.0), jnp.int32(0), sample).to_tuple()
+        output = fake_model(scheduler.scale_model_input(state, sample, i), state.timesteps[i])
+        return scheduler.step(state, output, i, sample)
 
-    sample = jnp.ones(shape, jnp.float32)
-    before = jax.tree.map(lambda x: (x.shape, x.dtype), state)
-    for _ in range(steps):  # order 1, 2, 3, 4, 4, ... all through one compiled program
-        sample, state = step(state, sample)
-        assert jax.tree.map(lambda x: (x.shape, x.dtype), state) == before
+    def layout(tree: Any) -> Any:
+        return jax.tree.map(lambda x: (x.shape, x.dtype), tree)
+
+    before, sample, trajectory = layout(state), NOISE * state.init_noise_sigma, []
+    for i in range(state.timesteps.shape[0]):  # every phase (warm-up, PRK, final orders) in one program
+        sample, state = step(state, sample, jnp.int32(i))
+        assert layout(state) == before
+        trajectory.append(sample)
     assert len(traces) == 1
-    assert int(state.step_index) == steps
-    assert bool(jnp.isfinite(sample).all())
+    assert difference(case, jnp.stack(trajectory)) <= RTOL
 
 
-def test_from_config_follows_diffusers_semantics() -> None:
-    # A PyTorch PNDM config lists its own defaults (timestep_spacing "leading") as
-    # _use_default_values; diffusers then applies LMS's default ("linspace") instead.
-    config = {**REFERENCE["config"], "timestep_spacing": "leading",
-              "_use_default_values": ["timestep_spacing"]}
-    assert LMSScheduler.from_config(config).timestep_spacing == "linspace"
-    with pytest.raises(NotImplementedError):
-        LMSScheduler.from_config({**REFERENCE["config"], "use_karras_sigmas": True})
+@pytest.mark.parametrize("case_id", HISTORY_CASES)
+def test_bfloat16_model_keeps_float32_state(case_id: str) -> None:
+    case = CASES[case_id]
+    scheduler = scheduler_for(case)
+    state = scheduler.set_timesteps(case["steps"], NOISE.shape)
+    trajectory, state = jax.jit(denoise, static_argnums=(0, 3))(scheduler, state, NOISE, jnp.bfloat16)
+    assert trajectory.dtype == jnp.float32
+    assert all(x.dtype in (jnp.float32, jnp.int32) for x in jax.tree.leaves(state))
+    # The UNet's rounding to bfloat16 (8 bits) moves the run by less than a bfloat16 ulp (2^-7).
+    assert difference(case, trajectory) < 1e-2
+
+
+@pytest.mark.parametrize(("name", "option", "value"), [
+    ("pndm", "prediction_type", "sample"),
+    ("ddim", "beta_schedule", "sigmoid"),
+    ("ddim", "timestep_spacing", "karras"),
+    ("lms", "use_beta_sigmas", True),
+    ("euler", "interpolation_type", "cubic"),
+    ("euler", "timestep_type", "edm"),
+    ("euler", "final_sigmas_type", "sigma_max"),
+    ("dpm", "algorithm_type", "sde-dpmsolver++"),
+    ("dpm", "algorithm_type", "dpmsolver"),
+    ("dpm", "solver_order", 4),
+    ("dpm", "solver_type", "bh3"),
+    ("dpm", "use_flow_sigmas", True),
+    ("dpm", "variance_type", "learned_range"),
+])
+def test_refuses_unsupported_options(name: str, option: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"{option}={value!r} is not supported")):
+        make(name, {option: value})
+
+
+def test_refuses_what_pytorch_fails_on() -> None:
+    with pytest.raises(ValueError, match="use_karras_sigmas=True and use_exponential_sigmas=True"):
+        make("euler", {"use_karras_sigmas": True, "use_exponential_sigmas": True})
+    with pytest.raises(ValueError, match="algorithm_type='deis' needs final_sigmas_type='sigma_min'"):
+        make("dpm", {"algorithm_type": "deis"})
+    with pytest.raises(ValueError, match="skip_prk_steps=False needs at least 4 steps, not 3"):
+        make("pndm", {}).set_timesteps(3, (1,))
+    with pytest.raises(ValueError, match="past the 1000 training timesteps"):  # leading: 999 * 1 + 1
+        make("ddim", {"steps_offset": 1}).set_timesteps(1000, (1,))
+    with pytest.raises(ValueError, match="unknown scheduler 'heun'"):
+        make("heun", {})
+
+
+@pytest.mark.parametrize("schedule", REFERENCE["schedules"])
+def test_training_schedule_matches_torch(schedule: str) -> None:
+    """Bit for bit (torch.linspace's rounding, a float64 cumprod), except that zero-SNR rescaling
+    takes square roots, which torch rounds differently in the last bit."""
+    ddim = make("ddim", REFERENCE["schedules"][schedule])
+    expected = TRAJECTORIES[f"alphas_cumprod/{schedule}"]
+    np.testing.assert_allclose(ddim.alphas_cumprod(ddim.rescale_betas_zero_snr), expected,
+                               rtol=3e-7 if ddim.rescale_betas_zero_snr else 0)
+
+
+@pytest.mark.parametrize("name", SCHEDULERS)
+def test_options_and_defaults_are_diffusers(name: str) -> None:
+    """Each class knows exactly its PyTorch class's options, with its defaults, plus (lms, dpm)
+    the sigma bounds diffusers registers from another class's config."""
+    ours = {f.name: getattr(make(name, {}), f.name) for f in dataclasses.fields(SCHEDULERS[name])}
+    theirs = dict(REFERENCE["classes"][name])
+    if name in ("lms", "dpm"):
+        theirs |= {"sigma_min": None, "sigma_max": None}
+    assert ours.keys() == theirs.keys()
+    for option, default in theirs.items():
+        assert ours[option] == default, option
+
+
+def test_from_config_semantics() -> None:
+    sd15 = REFERENCE["configs"]["sd15"]  # PNDMScheduler's config as an SD 1.5 pipeline holds it
+    assert sd15["timestep_spacing"] == "leading" and "timestep_spacing" in sd15["_use_default_values"]
+    # PNDM merely defaulted "leading", so Euler takes its own default; SDXL's file says "leading".
+    assert make("euler", sd15).timestep_spacing == "linspace"
+    assert make("dpm", REFERENCE["configs"]["sdxl"]).timestep_spacing == "leading"
+    # Keys the class does not know (clip_sample for Euler, _class_name, anything) are ignored;
+    # keys it knows are taken even from another class's config (clip_sample for DDIM).
+    euler = make("euler", {**sd15, "clip_sample": True, "made_up": 1, "_class_name": "Nope"})
+    assert euler == make("euler", sd15)
+    assert make("ddim", sd15).clip_sample is False
+    assert make("ddim", {k: v for k, v in sd15.items() if k != "clip_sample"}).clip_sample is True
+    # trained_betas (a JSON list) becomes a tuple: schedulers are hashable, static jit arguments.
+    hash(make("ddim", REFERENCE["configs"]["trained"]))

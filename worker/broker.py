@@ -2,11 +2,12 @@
 several at a time, and less Redis work per message for a worker that acks in batches.
 
 - Deliveries: stock kombu BRPOPs one message, then records it in the unacked hash and index
-  from Python; a worker killed between the two loses the message. Here a Lua script (EVAL,
-  atomic) pops up to the prefetch credit (at most MAX_POP) from the queue's priority lists
-  and records each one before returning them all, so a message is always either in its
-  queue or in the unacked hash, from where kombu's restore brings it back after the
-  visibility timeout. One round trip per batch of messages instead of two per message.
+  from Python; a worker killed between the two loses the message. Here a Lua script
+  (lua/pop_and_record.lua, sent as EVALSHA, atomic) pops up to the prefetch credit (at most
+  MAX_POP) from the queue's priority lists and records each one before returning them all,
+  so a message is always either in its queue or in the unacked hash, from where kombu's
+  restore brings it back after the visibility timeout. One round trip per batch of messages
+  instead of two per message.
 - Waiting: a script cannot block. After an empty reply the next EVAL is pipelined behind
   `BLMOVE list list RIGHT RIGHT wait` on the list jobs without a priority land on
   (renderfarm.queue.redis_priority): a server-side wait that leaves the list as it is and
@@ -24,69 +25,51 @@ several at a time, and less Redis work per message for a worker that acks in bat
   event-loop tick. A worker that dies between an ack and the flush leaves those messages
   unacked; they are delivered again after the visibility timeout and the worker that gets
   them finds their results stored (at least once, as before).
+- The door: each popped item is checked (worker.envelope) before kombu decodes it or Celery
+  reads its headers. One that fails is acknowledged and moved to its queue's dead letters
+  (renderfarm.deadletters) in one transaction; stock kombu would stop the consumer on it,
+  the message would go back to the head of the queue and stop the next worker too.
+- Held messages stay fresh: a thread re-stamps the unacked index entries of the messages
+  this channel holds every quarter of the visibility timeout, so only a dead worker's
+  messages age past it. A slow batch, a compile or a long prefetch never causes a
+  redelivery, and the timeout can be short: it bounds how long a dead worker's jobs wait.
 - One redis-py client serves the channel's bookkeeping; stock kombu builds one per call.
 
-With `global_keyprefix` set the channel consumes as stock kombu does (BRPOP).
+With `global_keyprefix` set the channel consumes as stock kombu does (BRPOP). The transport
+extends kombu internals, so kombu is pinned to the minor version they were written against
+(tests/test_broker.py checks each one it relies on).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from functools import cached_property
+from pathlib import Path
 from queue import Empty
 from typing import Any
 
 from kombu.transport import redis, virtual
 from kombu.utils.encoding import bytes_to_str
-from kombu.utils.json import dumps, loads
+from kombu.utils.json import dumps
+from redis.exceptions import NoScriptError
 
+from renderfarm import deadletters
 from renderfarm.queue import redis_priority
+from worker.envelope import Rejected, open_envelope
 
 log = logging.getLogger(__name__)
 
 MAX_POP = 64  # messages per round trip, when the prefetch credit allows as many
 FIRST_WAIT = 0.05  # seconds of the first server-side wait once the queue is drained
 
-# KEYS: the priority lists in consuming order, then the unacked index and hash.
-# ARGV: the time to record (the client's: kombu's restore compares it with its own clock),
-# the most messages to pop. Returns {list, item, tag} triples; tag is '' for an item that is
-# not a kombu message (not recorded). The shebang makes a server out of memory refuse the
-# whole script instead of failing it after a pop.
-POP_AND_RECORD = """#!lua
-local index, unacked = KEYS[#KEYS - 1], KEYS[#KEYS]
-local now, limit = ARGV[1], tonumber(ARGV[2])
-
-local function delivery(item)
-  local ok, payload = pcall(cjson.decode, item)
-  if not ok or type(payload) ~= 'table' or type(payload.properties) ~= 'table' then return end
-  local properties = payload.properties
-  local info = properties.delivery_info
-  if type(properties.delivery_tag) == 'string' and type(info) == 'table'
-      and type(info.exchange) == 'string' and type(info.routing_key) == 'string' then
-    return properties.delivery_tag, info.exchange, info.routing_key
-  end
-end
-
-local popped = {}
-for i = 1, #KEYS - 2 do
-  local left = limit - #popped
-  if left <= 0 then break end
-  for _, item in ipairs(redis.call('RPOP', KEYS[i], left) or {}) do
-    local tag, exchange, routing_key = delivery(item)
-    if tag then
-      redis.call('ZADD', index, now, tag)
-      -- kombu's record, [payload, exchange, routing_key], around the payload's own bytes
-      redis.call('HSET', unacked, tag,
-                 '[' .. item .. ',' .. cjson.encode(exchange) .. ',' .. cjson.encode(routing_key) .. ']')
-    end
-    popped[#popped + 1] = {KEYS[i], item, tag or ''}
-  end
-end
-return popped
-"""
+# Sent as EVALSHA; loaded once per connection, and again after NOSCRIPT (a restarted Redis).
+POP_AND_RECORD = (Path(__file__).parent / "lua" / "pop_and_record.lua").read_text()
+POP_AND_RECORD_SHA = hashlib.sha1(POP_AND_RECORD.encode()).hexdigest()
 
 
 class QoS(redis.QoS):
@@ -135,6 +118,8 @@ class Channel(redis.Channel):
     _idle_wait = 0.0  # seconds the next pop waits server-side first (0: the last one got messages)
     _sent: tuple[str, ...] = ()  # the commands whose replies the next read parses
     _refused_until = 0.0  # monotonic time before which no pop is sent (Redis refused the last)
+    _script_loaded = False  # on this connection's server
+    _keeper: threading.Thread | None = None  # re-stamps the held messages (keep_held)
 
     @cached_property
     def _shared_client(self) -> Any:
@@ -156,8 +141,14 @@ class Channel(redis.Channel):
         queues = self._queue_cycle.consume(len(self.active_queues))
         if not queues:
             return None
+        if not self._script_loaded:
+            self._shared_client.script_load(POP_AND_RECORD)
+            self._script_loaded = True
+        if self._keeper is None:
+            self._keeper = threading.Thread(target=self._keep_held, name="keep-held", daemon=True)
+            self._keeper.start()
         keys = [self._q_for_pri(queue, pri) for pri in self.priority_steps for queue in queues]
-        commands = [("EVAL", POP_AND_RECORD, len(keys) + 2, *keys, self.unacked_index_key,
+        commands = [("EVALSHA", POP_AND_RECORD_SHA, len(keys) + 2, *keys, self.unacked_index_key,
                      self.unacked_key, time.time(), self.qos.pop_limit())]
         if self._idle_wait:
             wait_on = self._q_for_pri(queues[0], redis_priority(None))
@@ -178,6 +169,9 @@ class Channel(redis.Channel):
         finally:
             self._in_poll = None
             self._flush_brpop_reauth()  # the connection is idle: the moment kombu uses
+        if isinstance(replies[-1], NoScriptError):
+            self._script_loaded = False  # a restarted Redis: loaded again before the next pop
+            replies[-1] = []
         popped = [] if isinstance(replies[-1], self.ResponseError) else replies[-1]
         self._idle_wait = 0.0 if popped else min(max(2 * self._idle_wait, FIRST_WAIT), self.brpop_timeout)
         self._hold_if_refused(replies)
@@ -212,25 +206,45 @@ class Channel(redis.Channel):
             self._refused_until = time.monotonic() + self._idle_wait
 
     def _deliver_popped(self, key: str, item: bytes, tag: str) -> None:
-        """Hand one popped message to its consumer. One kombu cannot read (it did not come
-        from a kombu producer) is dropped with an error in the log: stock kombu would crash
-        the consumer on it, and it cannot be restored."""
-        try:
-            payload = loads(bytes_to_str(item)) if tag else None
-        except ValueError:
-            payload = None
-        if payload is None:
-            log.error("dropped an item of %r that is not a kombu message: %r", key, item[:1000])
-            if tag:
-                self.qos.prerecorded.discard(tag)
-                self.qos._remove_from_indices(tag).execute()
-            return
+        """Hand one popped message to its consumer once worker.envelope has passed it; one
+        it rejects is acknowledged and dead-lettered with the reason, in one transaction."""
         queue = key.rsplit(self.sep, 1)[0]
+        try:
+            payload = open_envelope(item)
+        except Rejected as why:
+            log.error("dead-lettered a message of %r: %s", queue, why)
+            pipe = self._shared_client.pipeline()  # MULTI/EXEC: kept and released together
+            deadletters.add(pipe, queue, f"message rejected: {why}", item)
+            if tag:
+                self.qos._remove_from_indices(tag, pipe)
+            pipe.execute()
+            self.qos.prerecorded.discard(tag)
+            return
         self._queue_cycle.rotate(queue)
         self.connection._deliver(payload, queue)
 
+    def _keep_held(self) -> None:
+        """Every quarter of the visibility timeout, re-stamp the unacked index entries of
+        the messages this channel holds (only those still there: XX), so kombu's restore,
+        which takes entries older than the timeout, never takes a live worker's."""
+        interval = max(0.2, self.visibility_timeout / 4)
+        while not self.closed and not self._closing.wait(interval):
+            tags = list(self.qos._delivered)  # copied in one step: the consumer's thread adds to it
+            if not tags:
+                continue
+            now = time.time()
+            try:
+                self._shared_client.zadd(self.unacked_index_key, dict.fromkeys(tags, now), xx=True)
+            except self.connection_errors + (self.ResponseError,) as err:
+                log.warning("could not re-stamp %d held messages: %s", len(tags), err)
+
+    @cached_property
+    def _closing(self) -> threading.Event:
+        return threading.Event()
+
     def close(self) -> None:
         if not self.closed:
+            self._closing.set()
             with contextlib.suppress(*self.connection.connection_errors):
                 self.qos.flush_acks()  # else redelivered after the visibility timeout
         super().close()
@@ -248,7 +262,9 @@ class Transport(redis.Transport):
             channel.qos.flush_acks()
 
 
-def transport_for(broker_url: str) -> str | None:
-    """The transport a worker uses for `broker_url`: this one for plain `redis://`; for
-    `rediss://` kombu's own, which also sets up TLS from the URL."""
-    return f"{__name__}:Transport" if broker_url.startswith("redis://") else None
+def transport_for(broker_url: str) -> str:
+    """The transport a worker uses for `broker_url` (`redis://` or `rediss://`: TLS is set up
+    from the URL's `ssl_*` parameters by renderfarm.queue.make_app)."""
+    if not broker_url.startswith(("redis://", "rediss://")):
+        raise ValueError("the worker's broker must be a redis:// or rediss:// URL")
+    return f"{__name__}:Transport"

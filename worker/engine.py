@@ -16,6 +16,7 @@ import functools
 import itertools
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from functools import partial
@@ -29,10 +30,11 @@ from flax.errors import FlaxError
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from renderfarm.jobs import JobError, JobSpec
-from worker.executables import ExecutableStore, fingerprint
+from worker.executables import ExecutableStore, fingerprint, private_folder
 from worker.flops import denoise_flops, program_flops, unet_flops
-from worker.generate import GENERATORS, Inputs, Output, Static
-from worker.models import LoadedModel, quiet_diffusers
+from worker.generate import Inputs, Output, Static
+from worker.models import LoadedModel
+from worker.schedulers import Scheduler, make
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,14 +74,15 @@ class Rendered:
     scanlines: np.ndarray | None = None  # its PNG scanlines, filtered by the devices (worker.generate)
 
 
-def enable_compilation_cache(folder: str | os.PathLike | None = None) -> Path:
+def enable_compilation_cache(folder: str | os.PathLike | None = None, max_bytes: float = 10 * 2**30) -> Path:
     """Turn on JAX's persistent cache, small programs included, so a second process starts
-    warm. The folder holds executable code: it is created private to this user."""
-    path = Path(folder or Path.home() / ".cache" / "renderfarm" / "jax").expanduser()
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    warm; at most `max_bytes`, least recently used entries evicted. The folder holds
+    executable code: it must be private to this user (worker.executables.private_folder)."""
+    path = private_folder(folder or Path.home() / ".cache" / "renderfarm" / "jax")
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    jax.config.update("jax_compilation_cache_max_size", int(max_bytes))
     return path
 
 
@@ -96,12 +99,12 @@ def _weights_mismatch(params: Any, expected: Any) -> str | None:
     return None
 
 
-def _as_dict(config: Any) -> dict[str, Any]:
-    """A diffusers (mapping) or transformers (object) config as a plain dict."""
-    return config.to_dict() if hasattr(config, "to_dict") else dict(config)
-
-
 log = logging.getLogger(__name__)
+# Programs kept per engine, unless --max-programs says otherwise. A kept executable holds its
+# code on the device, not its working memory (XLA allocates that per run): the code of the
+# kept programs may take PROGRAM_SHARE of a device's memory, within these bounds; where the
+# backend reports no memory limit (CPU), DEFAULT_MAX_PROGRAMS.
+DEFAULT_MAX_PROGRAMS, MAX_PROGRAMS_BOUNDS, PROGRAM_SHARE = 16, (2, 64), 0.05
 BATCH, REPLICATED = PartitionSpec("data"), PartitionSpec()
 CACHE_HIT = "/jax/compilation_cache/cache_hits"
 JAX_EVENTS: collections.Counter[str] = collections.Counter()
@@ -111,22 +114,6 @@ JAX_EVENTS: collections.Counter[str] = collections.Counter()
 def _count_jax_events() -> None:
     """Count JAX's monitoring events (persistent-cache hits among them) in this process."""
     jax.monitoring.register_event_listener(lambda event, **_: JAX_EVENTS.update([event]))
-
-
-def scheduler_classes() -> dict[str, Any]:
-    """Scheduler names of the job contract. diffusers' Flax LMS cannot run under jit, so
-    "lms" is our own port (worker.schedulers)."""
-    from diffusers import (
-        FlaxDDIMScheduler,
-        FlaxDPMSolverMultistepScheduler,
-        FlaxEulerDiscreteScheduler,
-        FlaxPNDMScheduler,
-    )
-
-    from worker.schedulers import LMSScheduler
-
-    return {"pndm": FlaxPNDMScheduler, "ddim": FlaxDDIMScheduler, "lms": LMSScheduler,
-            "euler": FlaxEulerDiscreteScheduler, "dpm": FlaxDPMSolverMultistepScheduler}
 
 
 @dataclasses.dataclass
@@ -151,23 +138,23 @@ class Engine:
 
     def __init__(self, model: LoadedModel, per_device_batch: int = 1,
                  devices: Sequence[jax.Device] | None = None,
-                 executables: ExecutableStore | None = None) -> None:
+                 executables: ExecutableStore | None = None, max_programs: int | None = None) -> None:
         if per_device_batch < 1:
             raise JobError("per_device_batch", per_device_batch, "must be at least 1")
+        if max_programs is not None and max_programs < 1:
+            raise JobError("max_programs", max_programs, "must be at least 1")
         self.model = model
         self.devices = list(devices or jax.local_devices())
         self.batch_size = len(self.devices) * per_device_batch
         mesh = Mesh(np.array(self.devices), ("data",))
         self._sharded = NamedSharding(mesh, BATCH)
         self._replicated = NamedSharding(mesh, REPLICATED)
-        self._params = jax.device_put(
-            {k: v for k, v in model.params.items() if k != "scheduler"}, self._replicated)
-        pipe = model.pipe
-        self._tokenizers = [pipe.tokenizer] + ([pipe.tokenizer_2] if model.family == "sdxl" else [])
-        # transformers warns of every text over 77 tokens; the engine records those instead.
-        logging.getLogger("transformers.tokenization_utils_base").setLevel(logging.ERROR)
-        self._schedulers: dict[str, tuple[Any, Any]] = {}
-        self._compiled: dict[ShapeKey, Any] = {}
+        self._params = jax.device_put(model.params, self._replicated)
+        self._schedulers: dict[str, Scheduler] = {}
+        # Compiled programs, least recently used first; at most max_programs are kept.
+        self._compiled: collections.OrderedDict[ShapeKey, Any] = collections.OrderedDict()
+        self._lock = threading.Lock()  # programs compile on a thread of their own (worker.farm)
+        self.max_programs = max_programs  # None: sized for device memory by the first program
         self.executables = executables
         self._batches = itertools.count()
         self._flops: dict[ShapeKey, float | None] = {}
@@ -183,6 +170,8 @@ class Engine:
             raise JobError("model", spec.model, f"this engine serves {self.model.ref!r}")
         if spec.dtype != self.model.dtype:
             raise JobError("dtype", spec.dtype, f"this engine runs {self.model.dtype}")
+        if spec.variant != self.model.variant:
+            raise JobError("variant", spec.variant, f"this engine serves the weights variant {self.model.variant!r}")
         step = self.model.size_step
         for field in ("width", "height"):
             value = getattr(spec, field)
@@ -202,24 +191,55 @@ class Engine:
 
     # -- compilation -----------------------------------------------------------------
 
-    def _scheduler(self, name: str) -> tuple[Any, Any]:
+    def _scheduler(self, name: str) -> Scheduler:
+        """Scheduler `name` made from the model's scheduler config (diffusers' from_config)."""
         if name not in self._schedulers:
-            with quiet_diffusers():
-                scheduler = scheduler_classes()[name].from_config(self.model.pipe.scheduler.config)
-                state = jax.device_put(scheduler.create_state(), self._replicated)
-            self._schedulers[name] = (scheduler, state)
+            try:
+                self._schedulers[name] = make(name, self.model.configs["scheduler"])
+            except ValueError as err:
+                raise JobError("scheduler", name, f"cannot run with this model's scheduler config: {err}") from None
         return self._schedulers[name]
 
     def _abstract_inputs(self) -> Inputs:
-        ids = (self.batch_size, 77) if self.model.family == "sd" else (self.batch_size, 2, 77)
+        tokenizers = self.model.tokenizers
+        ids = (self.batch_size, len(tokenizers), tokenizers[0].max_length)
         spec = partial(jax.ShapeDtypeStruct, sharding=self._sharded)
         return Inputs(spec(ids, jnp.int32), spec(ids, jnp.int32), spec((self.batch_size,), jnp.bool_),
                       spec((self.batch_size, 2), jnp.uint32), spec((self.batch_size,), jnp.float32))
 
+    def ready(self, key: ShapeKey) -> bool:
+        """Whether the program of `key` is compiled (rendering it will not compile)."""
+        return key in self._compiled
+
     def compiled(self, key: ShapeKey) -> Any:
-        """The executable for a shape key, once per process: a saved one if there is one
-        (worker.executables), else compiled (XLA's part maybe from JAX's persistent cache)."""
-        name = self._program_name(key) if key not in self._compiled and self.executables is not None else None
+        """The executable for a shape key: a kept one, a saved one (worker.executables), or
+        compiled now (XLA's part maybe from JAX's persistent cache). Keeping one evicts the
+        least recently used beyond `max_programs`."""
+        with self._lock:
+            if key in self._compiled:
+                self._compiled.move_to_end(key)
+                return self._compiled[key]
+        program = self._load_or_compile(key)
+        with self._lock:
+            self.max_programs = self.max_programs or self._programs_that_fit(program)
+            self._compiled[key] = program
+            while len(self._compiled) > self.max_programs:
+                evicted, _ = self._compiled.popitem(last=False)
+                log.info("%s: program evicted (at most %d kept; --max-programs)", evicted, self.max_programs)
+        return program
+
+    def _programs_that_fit(self, program: Any) -> int:
+        """How many programs like this one fit in PROGRAM_SHARE of a device's memory."""
+        limit = (self.devices[0].memory_stats() or {}).get("bytes_limit")
+        analysis = program.memory_analysis()
+        code = getattr(analysis, "generated_code_size_in_bytes", 0) if analysis is not None else 0
+        if not limit or not code:
+            return DEFAULT_MAX_PROGRAMS
+        low, high = MAX_PROGRAMS_BOUNDS
+        return max(low, min(high, int(PROGRAM_SHARE * limit // code)))
+
+    def _load_or_compile(self, key: ShapeKey) -> Any:
+        name = self._program_name(key) if self.executables is not None else None
         if name is not None:
             saved = self.executables.load(name, self.devices)
             mismatch = None if saved is None else _weights_mismatch(self._params, saved[0].args_info[0][0])
@@ -227,39 +247,37 @@ class Engine:
                 log.warning("%s: saved executable not used: %s", key, mismatch)
             elif saved is not None:
                 log.info("%s: saved executable loaded", key)
-                self._compiled[key], self._flops[key] = saved[0], saved[1]["flops"]
-        if key not in self._compiled:
-            scheduler, state = self._scheduler(key.scheduler)
-            fn = partial(GENERATORS[self.model.family], self.model.pipe, scheduler,
-                         Static(key.height, key.width, key.steps))
-            # Each device runs the per-device program on its slice of the batch, as pmap
-            # would; check_vma=False because diffusers' scheduler state starts unvarying.
-            fn = jax.shard_map(fn, mesh=self._sharded.mesh, in_specs=(REPLICATED, REPLICATED, BATCH),
-                               out_specs=BATCH, check_vma=False)
-            start, hits = time.perf_counter(), JAX_EVENTS[CACHE_HIT]
-            with quiet_diffusers():
-                try:
-                    lowered = jax.jit(fn).lower(self._params, state, self._abstract_inputs())
-                except FlaxError as err:  # the model loader leaves the weights' shapes to this
-                    raise JobError("model", self.model.ref, f"weights do not match its config: {err}") from err
-                self._compiled[key] = lowered.compile()
-            self.compile_seconds += time.perf_counter() - start
-            from_cache = JAX_EVENTS[CACHE_HIT] - hits
-            self.cache_hits += from_cache
-            self._flops[key] = self._count_flops(key, self._compiled[key])
-            # Only fresh compiles are saved: a program that XLA's CPU backend took from JAX's
-            # persistent cache serializes without its code (measured: "Function ... not
-            # found" when the copy runs).
-            if name is not None and not from_cache:
-                self.executables.save(name, self._compiled[key], {"flops": self._flops[key]})
-        return self._compiled[key]
+                self._flops[key] = saved[1]["flops"]
+                return saved[0]
+        fn = partial(self.model.family.generate, self.model.networks, self._scheduler(key.scheduler),
+                     Static(key.height, key.width, key.steps))
+        # Each device runs the per-device program on its slice of the batch, as pmap
+        # would; check_vma=False because the scheduler's state starts out unvarying.
+        fn = jax.shard_map(fn, mesh=self._sharded.mesh, in_specs=(REPLICATED, BATCH),
+                           out_specs=BATCH, check_vma=False)
+        start, hits = time.perf_counter(), JAX_EVENTS[CACHE_HIT]
+        try:
+            lowered = jax.jit(fn).lower(self._params, self._abstract_inputs())
+        except FlaxError as err:  # weights put together by hand, not by the loader, which checks them
+            raise JobError("model", self.model.ref, f"weights do not match its config: {err}") from err
+        program = lowered.compile()
+        seconds = time.perf_counter() - start
+        self.compile_seconds += seconds
+        log.info("%s: compiled in %.1fs", key, seconds)
+        from_cache = JAX_EVENTS[CACHE_HIT] - hits
+        self.cache_hits += from_cache
+        self._flops[key] = self._count_flops(key, program)
+        # Only fresh compiles are saved: a program that XLA's CPU backend took from JAX's
+        # persistent cache serializes without its code (measured: "Function ... not
+        # found" when the copy runs).
+        if name is not None and not from_cache:
+            self.executables.save(name, program, {"flops": self._flops[key]})
+        return program
 
     def _program_name(self, key: ShapeKey) -> str:
         """Everything the compiled program for `key` depends on (see worker.executables)."""
-        pipe = self.model.pipe
-        configs = {name: _as_dict(getattr(pipe, name).config) for name in
-                   ("unet", "vae", "text_encoder", "text_encoder_2", "scheduler") if getattr(pipe, name, None)}
-        return fingerprint(family=self.model.family, dtype=self.model.dtype, configs=configs,
+        return fingerprint(family=self.model.family.name, dtype=self.model.dtype, configs=self.model.configs,
+                           force_zeros=self.model.networks.force_zeros_for_empty_prompt,
                            key=dataclasses.astuple(key), batch_size=self.batch_size,
                            devices=[(d.platform, d.device_kind, d.id) for d in self.devices])
 
@@ -267,9 +285,8 @@ class Engine:
         """XLA counts the per-device program, its denoising loop once: add the other steps'
         UNet calls (batch 2 per job: classifier-free guidance), then all devices."""
         f, per_device = self.model.vae_scale_factor, self.batch_size // len(self.devices)
-        with quiet_diffusers():
-            step = unet_flops(self.model.pipe.unet, self._params["unet"], 2 * per_device,
-                              key.height // f, key.width // f)
+        step = unet_flops(self.model.networks["unet"], self._params["unet"], 2 * per_device,
+                          key.height // f, key.width // f)
         per_device_flops = denoise_flops(program_flops(compiled), step, key.steps)
         return None if per_device_flops is None else per_device_flops * len(self.devices)
 
@@ -281,21 +298,14 @@ class Engine:
     # -- rendering -------------------------------------------------------------------
 
     def tokenize(self, texts: list[str]) -> tuple[np.ndarray, list[bool]]:
-        """Token ids as the pipelines' `prepare_inputs` makes them (BOS, tokens, EOS, padded
-        or cut to 77), from one tokenizer call per tokenizer; and which texts were cut."""
-        length = self._tokenizers[0].model_max_length
+        """Token ids (N, tokenizers, 77) as the pipelines get them (BOS, tokens, EOS, padded or
+        cut), each distinct text once per tokenizer call; and which texts were cut."""
         row_of = {text: row for row, text in enumerate(dict.fromkeys(texts))}  # batches repeat texts
-        out, truncated = [], [False] * len(row_of)
-        for tok in self._tokenizers:
-            ids = np.full((len(row_of), length), tok.pad_token_id, dtype=np.int32)
-            for row, tokens in enumerate(tok(list(row_of)).input_ids):
-                if len(tokens) > length:
-                    tokens, truncated[row] = tokens[:length - 1] + tokens[-1:], True
-                ids[row, :len(tokens)] = tokens
-            out.append(ids)
+        encoded = [tokenizer(list(row_of)) for tokenizer in self.model.tokenizers]
+        ids = np.stack([rows for rows, _ in encoded], axis=1)
+        cut = np.any([flags for _, flags in encoded], axis=0)
         rows = [row_of[text] for text in texts]
-        stacked = out[0] if len(out) == 1 else np.stack(out, axis=1)
-        return stacked[rows], [truncated[r] for r in rows]
+        return ids[rows], [bool(cut[r]) for r in rows]
 
     def _inputs(self, jobs: list[JobSpec]) -> tuple[Inputs, list[bool]]:
         padded = jobs + [jobs[-1]] * (self.batch_size - len(jobs))
@@ -312,9 +322,8 @@ class Engine:
 
     def dispatch(self, key: ShapeKey, jobs: list[JobSpec]) -> tuple[Output, list[bool]]:
         """Start one batch on the devices; returns at once (JAX dispatch is asynchronous)."""
-        scheduler, state = self._scheduler(key.scheduler)
         inputs, truncated = self._inputs(jobs)
-        return self.compiled(key)(self._params, state, inputs), truncated
+        return self.compiled(key)(self._params, inputs), truncated
 
     def prepare(self, specs: Sequence[JobSpec]) -> list[tuple[ShapeKey, list[int]]]:
         """Validate every job and compile every shape it needs, before anything renders."""

@@ -8,7 +8,10 @@ config, the shape key, the batch, the devices, the libraries and our own device-
 code), so a change of any of them is a miss, never a stale program. The weights are
 inputs, not part of the program: the same architecture with other weights reuses it.
 
-Like JAX's cache, the folder holds executable code: it must be writable by the worker alone.
+Like JAX's cache, the folder holds executable code (and the pytrees beside it are pickled):
+whoever can write there can run code in the worker. So both folders are used only if they
+belong to the worker's user and no one else may write to them (`private_folder`), and each
+has a size cap, least recently used entries evicted first.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import json
 import logging
 import os
 import pickle
+import stat
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -26,18 +30,23 @@ from typing import Any
 import jax
 from jax.experimental import serialize_executable
 
+from renderfarm.jobs import JobError
+
 log = logging.getLogger(__name__)
 
-LIBRARIES = ("jax", "jaxlib", "flax", "diffusers", "transformers")
-DEVICE_CODE = ("generate.py", "schedulers.py", "engine.py")  # what the traced function runs
+LIBRARIES = ("jax", "jaxlib", "flax")
+# What the traced function runs: the engine, the shared loop, the networks, schedulers and families.
+DEVICE_CODE = ("engine.py", "generate.py", "nn/*.py", "schedulers/*.py", "families/*.py")
 
 
 @functools.cache
 def _environment() -> dict[str, dict[str, str]]:
     """What every program here depends on besides its own parts (read once per process)."""
     here = Path(__file__).parent
+    files = sorted(path for pattern in DEVICE_CODE for path in here.glob(pattern))
     return {"libraries": {name: metadata.version(name) for name in LIBRARIES},
-            "code": {name: hashlib.sha256((here / name).read_bytes()).hexdigest() for name in DEVICE_CODE}}
+            "code": {path.relative_to(here).as_posix(): hashlib.sha256(path.read_bytes()).hexdigest()
+                     for path in files}}
 
 
 def fingerprint(**parts: Any) -> str:
@@ -46,13 +55,30 @@ def fingerprint(**parts: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:40]
 
 
+def private_folder(folder: str | os.PathLike, field: str = "compile_cache") -> Path:
+    """`folder`, created private if missing; refused unless it belongs to this user and
+    neither group nor others may write to it (what is loaded from it runs as the worker)."""
+    path = Path(folder).expanduser()
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = path.stat()
+    if info.st_uid != os.geteuid():
+        raise JobError(field, str(path), f"must belong to the worker's user (uid {os.geteuid()}), "
+                                         f"not uid {info.st_uid}: code loaded from it runs in the worker")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise JobError(field, str(path), f"must not be writable by group or others (mode "
+                                         f"{stat.S_IMODE(info.st_mode):o}; chmod go-w it): code loaded "
+                                         f"from it runs in the worker")
+    return path
+
+
 class ExecutableStore:
     """One file per fingerprint: the serialized executable, its pytrees and what the engine
-    keeps beside it (its FLOP count)."""
+    keeps beside it (its FLOP count). At most `max_bytes` are kept; loading an entry marks
+    it used, and saving one beyond the cap removes the least recently used."""
 
-    def __init__(self, folder: str | os.PathLike) -> None:
-        self.folder = Path(folder)
-        self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    def __init__(self, folder: str | os.PathLike, max_bytes: float = 10 * 2**30) -> None:
+        self.folder = private_folder(folder)
+        self.max_bytes = max_bytes
         self.loaded = 0  # executables this process loaded instead of compiling
 
     def _path(self, name: str) -> Path:
@@ -73,6 +99,7 @@ class ExecutableStore:
             path.unlink(missing_ok=True)
             return None
         self.loaded += 1
+        os.utime(path)  # used: the last to be evicted
         return compiled, extras
 
     def save(self, name: str, compiled: Any, extras: dict[str, Any]) -> None:
@@ -86,3 +113,15 @@ class ExecutableStore:
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
         tmp.write_bytes(pickle.dumps((payload, in_tree, out_tree, extras)))
         os.replace(tmp, path)
+        self._evict()
+
+    def _evict(self) -> None:
+        """Remove the least recently used entries until the folder is within its cap."""
+        entries = sorted(((p.stat().st_mtime, p.stat().st_size, p) for p in self.folder.glob("*.xla")),
+                         reverse=True)
+        kept = 0
+        for _, size, path in entries:
+            kept += size
+            if kept > self.max_bytes:
+                log.info("saved executable %s evicted (cache over %.1f GB)", path.name, self.max_bytes / 2**30)
+                path.unlink(missing_ok=True)

@@ -1,6 +1,18 @@
 """The farm worker: a Celery worker (solo pool, JAX in the main process) that consumes its
 model's queue in batches of `devices x per_device_batch` jobs.
 
+A job's life, in the order it happens (Processor, one method each):
+  receive   the message is a job, valid here (or it is failed for good and dead-lettered)
+  gather    jobs wait for a full batch of their shape (Gatherer)
+  admit     cancelled campaigns skipped, attempts counted, a job stored already not redone
+  render    on the devices; the program is compiled off the consumer's thread
+  store     PNG, sidecar, manifest line, on the store threads (worker.output.BatchWriter)
+  end       succeeded, retried or failed (Outcomes: the one place for the retry policy),
+            then acknowledged or put back on the queue
+The message arrives already checked by the transport (worker.envelope): nothing in it can
+make Celery or kombu raise. Whatever raises later is caught where the job's life ends, so a
+worker never exits or wedges on input, and every job taken is acked or requeued.
+
 Why not celery-batches: it sends no per-job task events (Flower would see nothing), its
 `Task.retry` does not work, and after a broker reconnect it can stop flushing while holding
 unacked messages. This module is the small part of it we need, on Celery's own consumer
@@ -11,240 +23,356 @@ events and worker state, so Flower and `inspect` see every job.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import socket
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from celery import Celery, Task
-from celery.exceptions import InvalidTaskError
+import redis
+from celery import Celery, Task, bootsteps, signals
 from celery.worker.request import Request, create_request_cls
 from celery.worker.state import task_accepted, task_ready, task_reserved
+from kombu.utils.json import dumps
 
+from renderfarm import deadletters
 from renderfarm.gallery import Refresher
 from renderfarm.jobs import JobError, JobSpec, parse_job
 from renderfarm.progress import Progress
 from renderfarm.queue import TASK_NAME
 from renderfarm.settings import Settings
-from renderfarm.storage import Storage, manifest_name, sidecar_name
+from renderfarm.storage import MANIFEST_BASENAME, Storage, sidecar_name
 from worker.engine import Engine, InFlight, Rendered, ShapeKey
 from worker.flops import describe_rate
 from worker.output import BatchWriter
 
 log = logging.getLogger("renderfarm.worker")
 
-
 GALLERY_QUIET = 2.0  # seconds without a stored batch before galleries are brought up to date
 # Seconds without an arriving job after which idle devices take a partial batch: while the
 # queue has jobs, the worker's pop (worker.broker) brings them in far quicker than that.
 QUEUE_QUIET = 0.05
+BROKER_ERRORS = (redis.RedisError, OSError)  # what Redis being away raises in an outcome
 
 
 class JobFailed(Exception):
     """What the result backend and Flower show for a job that failed for good."""
 
 
+@dataclasses.dataclass(eq=False)
 class Job:
-    """One request of a batch and what the worker learned about it."""
+    """A delivered job that is valid here; only `Processor.receive` makes one."""
 
-    def __init__(self, request: Request) -> None:
-        self.request = request
-        self.spec: JobSpec | None = None
-        self.invalid = ""  # why the job is not valid here, if it is not
-        self.attempt = 0
-        self.started = time.time()
+    request: Request
+    spec: JobSpec
+    key: ShapeKey
+    attempt: int = 0
+    started: float = dataclasses.field(default_factory=time.time)
 
     @property
     def campaign(self) -> str:
-        """Only asked once the job is validated."""
-        assert self.spec is not None
         return self.spec.campaign
+
+    @property
+    def ident(self) -> tuple[str, str]:
+        """A job is a spec in a campaign: the same spec in two campaigns is two jobs."""
+        return self.spec.campaign, self.spec.job_id
+
+
+class Outcomes:
+    """How a job's life ends, and the retry policy, in one place. Each outcome records what
+    happened (campaign progress, the result backend, Flower's events, dead letters), then
+    acknowledges the message or puts it back on the queue. If the broker is away, that is
+    logged: the message, still unacknowledged, comes back after the visibility timeout and
+    its next delivery finds what was stored."""
+
+    def __init__(self, app: Celery, progress: Progress, max_attempts: int) -> None:
+        self.app, self.progress, self.max_attempts = app, progress, max_attempts
+
+    def succeeded(self, done: list[tuple[Job, dict[str, Any]]]) -> None:
+        if not self._recorded(lambda: self.progress.finished(job.ident for job, _ in done), "finished", len(done)):
+            return
+        for job, result in done:  # successes live in storage and Progress, not the result backend
+            job.request.send_event("task-succeeded", result=repr(result), runtime=time.time() - job.started)
+            self._end(job.request, requeue=False, successful=True)
+
+    def invalid(self, request: Request, reason: str, queue: str, spec: JobSpec | None) -> None:
+        """Not a job this worker can render: failed for good, and kept with its reason in the
+        queue's dead letters, from where an operator can requeue it once the cause is fixed."""
+        log.warning("job %s failed: %s", request.id, reason)
+
+        def record() -> None:
+            pipe = self.progress.r.pipeline()
+            deadletters.add(pipe, queue, reason, dumps(request._message._raw).encode(),
+                            spec.job_id if spec else None)
+            pipe.execute()
+            if spec is not None:
+                self.progress.failed(spec.campaign, spec.job_id, reason)
+            self.app.backend.mark_as_failure(request.id, JobFailed(reason))
+
+        if self._recorded(record, "invalid", 1):
+            request.send_event("task-failed", exception=reason, traceback="")
+            self._end(request, requeue=False)
+
+    def failed(self, job: Job, reason: str) -> None:
+        log.warning("job %s failed: %s", job.request.id, reason)
+
+        def record() -> None:
+            self.progress.failed(job.campaign, job.spec.job_id, reason)
+            self.app.backend.mark_as_failure(job.request.id, JobFailed(reason))
+
+        if self._recorded(record, "failed", 1):
+            job.request.send_event("task-failed", exception=reason, traceback="")
+            self._end(job.request, requeue=False)
+
+    def skipped(self, job: Job) -> None:
+        """Its campaign was cancelled: acknowledged without rendering."""
+        def record() -> None:
+            self.progress.skipped(job.campaign, job.spec.job_id)
+            self.app.backend.mark_as_revoked(job.request.id, "campaign cancelled")
+
+        if self._recorded(record, "skipped", 1):
+            job.request.send_event("task-revoked", terminated=False, signum=None, expired=False)
+            self._end(job.request, requeue=False)
+
+    def retry(self, job: Job, reason: str, counts: bool = True) -> None:
+        """The policy: a failure that is the job's counts as an attempt, and at
+        `max_attempts` the job fails for good; one that is not (storage or the broker
+        away, the worker stopping) does not count. Either way the job goes back on the
+        queue at once."""
+        if counts and job.attempt >= self.max_attempts:
+            self.failed(job, f"{reason} (after {job.attempt} attempts)")
+            return
+        log.warning("job %s attempt %d did not finish, queued again: %s", job.request.id, job.attempt, reason)
+
+        def record() -> None:
+            if not counts:
+                self.progress.refund_attempt(job.campaign, job.spec.job_id)
+            self.progress.released(job.campaign, job.spec.job_id)
+
+        self._recorded(record, "released", 1)
+        self._end(job.request, requeue=True)
+
+    def _recorded(self, record: Callable[[], object], what: str, jobs: int) -> bool:
+        try:
+            record()
+        except BROKER_ERRORS as err:
+            log.warning("could not record %d jobs %s (%s); they come back after the visibility timeout",
+                        jobs, what, err)
+            return False
+        return True
+
+    @staticmethod
+    def _end(request: Request, requeue: bool, successful: bool = False) -> None:
+        task_ready(request, successful=successful)
+        try:
+            if requeue:
+                request.reject(requeue=True)
+            else:
+                request.acknowledge()
+        except Exception as err:  # noqa: BLE001 - a channel closed by a reconnect: redelivered later
+            log.warning("message of job %s not settled (%s); it comes back after the visibility timeout",
+                        request.id, err)
 
 
 class Processor:
-    """Runs one batch: validate, skip what is cancelled or already stored, render (job by
-    job if the batch raises), then hand it to the BatchWriter, which stores it while the
-    next batch renders; jobs are marked done and acked only once their PNG and sidecar are
-    stored (`poll`, on the consumer's timer, and every later batch)."""
+    """One job's life from delivery to acknowledgement (see the module docstring), across
+    reconnections: the Gatherer of the current connection hands it batches."""
 
     def __init__(self, engine: Engine, storage: Storage, progress: Progress, app: Celery,
                  settings: Settings, store_threads: int | None = None) -> None:
-        self.engine, self.storage, self.progress, self.app = engine, storage, progress, app
-        self.max_attempts = settings.max_attempts
+        self.engine, self.storage, self.progress = engine, storage, progress
+        self.outcomes = Outcomes(app, progress, settings.max_attempts)
         self.writer = BatchWriter(storage, engine.model, engine.devices, threads=store_threads,
                                   on_stored=self._stored, on_failed=self._store_failed)
-        self._jobs: dict[str, list[Job]] = {}  # job id -> its requests being stored
+        self.gatherer: Gatherer | None = None  # the current connection's
+        self._storing: dict[tuple[str, str], list[Job]] = {}  # (campaign, job id) -> jobs on the writer
         self._inflight: tuple[InFlight, list[Job]] | None = None
         self._idle_since = time.monotonic()
-        # Galleries are rebuilt on their own thread (a refresh reads the whole manifest):
-        # throttled while a campaign runs, and once more when the worker has had nothing
-        # to do for GALLERY_QUIET seconds.
+        # New shapes compile on their own thread; their batches wait here meanwhile.
+        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="compile")
+        self._compiling: dict[ShapeKey, Future[Any]] = {}
+        self._awaiting: dict[ShapeKey, list[list[Job]]] = {}
+        # Galleries are rebuilt on their own thread: throttled while a campaign runs, and
+        # once more when the worker has had nothing to do for GALLERY_QUIET seconds.
         self.gallery = Refresher(storage)
         self._gallery_thread = ThreadPoolExecutor(1, thread_name_prefix="gallery")
         self._gallery_stale = False
         self._last_stored = time.monotonic()
         self._rate = RateLog(engine)
+        self.drained = False  # set once a warm shutdown has settled every job it held
 
-    # -- outcomes ------------------------------------------------------------------
+    # -- receive ---------------------------------------------------------------------
 
-    def _succeed(self, done: list[tuple[Job, dict[str, Any]]]) -> None:
-        self.progress.finished((job.campaign, result["job_id"]) for job, result in done)
-        for job, result in done:  # successes live in storage and Progress, not the result backend
-            job.request.send_event("task-succeeded", result=repr(result), runtime=time.time() - job.started)
-            task_ready(job.request, successful=True)
-            job.request.acknowledge()
-
-    def _fail(self, job: Job, reason: str) -> None:
-        """Failed for good: recorded with its reason, acked so it is not delivered again."""
-        log.warning("job %s failed: %s", job.request.id, reason)
-        if job.spec is not None:
-            self.progress.failed(job.campaign, job.spec.job_id, reason)
-        self.app.backend.mark_as_failure(job.request.id, JobFailed(reason))
-        job.request.send_event("task-failed", exception=reason, traceback="")
-        task_ready(job.request)
-        job.request.acknowledge()
-
-    def _retry_later(self, job: Job, reason: str) -> None:
-        if job.attempt >= self.max_attempts:
-            self._fail(job, f"{reason} (after {job.attempt} attempts)")
-            return
-        log.warning("job %s attempt %d failed, queued again: %s", job.request.id, job.attempt, reason)
-        assert job.spec is not None
-        self.progress.released(job.campaign, job.spec.job_id)
-        task_ready(job.request)
-        job.request.reject(requeue=True)
-
-    def _stored(self, records: list[dict[str, Any]]) -> None:
-        self._gallery_thread.submit(self.gallery.stored, {record["spec"]["campaign"] for record in records})
-        self._gallery_stale, self._last_stored = True, time.monotonic()
-        done = []
-        for record in records:
-            job = self._take(record["job_id"])
-            done.append((job, {"job_id": record["job_id"], "png_sha256": record["png_sha256"],
-                               "url": self.storage.url(sidecar_name(job.campaign, record["job_id"]))}))
-        self._succeed(done)
-
-    def _take(self, job_id: str) -> Job:
-        waiting = self._jobs[job_id]
-        job = waiting.pop(0)
-        if not waiting:
-            del self._jobs[job_id]
-        return job
-
-    def _store_failed(self, result: Rendered, error: Exception) -> None:
-        job = self._take(result.spec.job_id)
-        job.attempt -= 1  # storage outages are not the job's fault
-        self.progress.refund_attempt(result.spec.job_id)
-        self._retry_later(job, f"storage: {error!r}")
-
-    # -- the batch -----------------------------------------------------------------
-
-    def classify(self, job: Job) -> ShapeKey | None:
-        """Validate a job as it arrives; its shape key is the batch it can join (None: not
-        valid here, failed with the reason when its batch runs)."""
+    def receive(self, request: Request) -> Job | None:
+        """The job of a delivered message, if it is one this worker can render; else it is
+        failed for good with the field, value and rule, and dead-lettered."""
+        spec = None
         try:
-            if job.request.args:
-                raise JobError("args", job.request.args, "a job has keyword fields only")
-            job.spec = parse_job(job.request.kwargs, size_step=self.engine.model.size_step)
-            return self.engine.check(job.spec)
+            if request.args:
+                raise JobError("args", request.args, "a job has keyword fields only")
+            spec = parse_job(request.kwargs, size_step=self.engine.model.size_step)
+            return Job(request, spec, self.engine.check(spec))
         except JobError as err:
-            job.spec, job.invalid = None, f"invalid job: {err}"
-            return None
+            reason = f"invalid job: {err}"
+        except Exception as err:  # noqa: BLE001 - a bug here must not stop the worker either
+            log.exception("job %s could not be read", request.id)
+            reason = f"unreadable job: {type(err).__name__}: {err}"
+        self.outcomes.invalid(request, reason, request.delivery_info.get("routing_key") or "?", spec)
+        return None
+
+    # -- admit -----------------------------------------------------------------------
+
+    def process(self, key: ShapeKey, jobs: list[Job]) -> None:
+        """Admit a gathered batch and start it on the devices, once its program is compiled."""
+        jobs = self._admit(jobs)
+        if not jobs:
+            return
+        if not self.engine.ready(key):
+            self._awaiting.setdefault(key, []).append(jobs)
+            if key not in self._compiling:
+                log.info("%s: compiling a new program (batches of it wait meanwhile)", key)
+                self._compiling[key] = self._compiler.submit(self.engine.compiled, key)
+            return
+        self._start(key, jobs)
 
     def _admit(self, jobs: list[Job]) -> list[Job]:
-        """Fail the invalid jobs, skip cancelled ones; mark the rest started."""
-        admitted, cancelled = [], self.progress.cancelled_among({j.campaign for j in jobs if j.spec})
+        """Skip cancelled campaigns' jobs; count attempts; a job whose sidecar is stored
+        already (its worker died before the ack) is not rendered again."""
+        try:
+            cancelled = self.progress.cancelled_among({job.campaign for job in jobs})
+            attempts = self.progress.started(job.ident for job in jobs if job.campaign not in cancelled)
+        except BROKER_ERRORS as err:
+            for job in jobs:
+                self.outcomes.retry(job, f"broker: {err}", counts=False)
+            return []
+        fresh, counted = [], iter(attempts)
         for job in jobs:
-            if job.spec is None:
-                self._fail(job, job.invalid)
-                continue
             if job.campaign in cancelled:
-                self.progress.skipped(job.campaign, job.spec.job_id)
-                self.app.backend.mark_as_revoked(job.request.id, "campaign cancelled")
-                job.request.send_event("task-revoked", terminated=False, signum=None, expired=False)
-                task_ready(job.request)
-                job.request.acknowledge()
+                self.outcomes.skipped(job)
                 continue
-            admitted.append(job)
-        attempts = self.progress.started((j.campaign, j.spec.job_id) for j in admitted)  # type: ignore[union-attr]
-        fresh = []
-        for job, attempt in zip(admitted, attempts):
-            job.attempt = attempt
-            assert job.spec is not None
-            if attempt > 1 and self.storage.exists(sidecar_name(job.campaign, job.spec.job_id)):
-                self._already_stored(job)
+            job.attempt = next(counted)
+            if job.attempt > 1 and self._stored_already(job):
                 continue
             task_accepted(job.request)
             job.request.send_event("task-started")
             fresh.append(job)
         return fresh
 
-    def _already_stored(self, job: Job) -> None:
-        """A redelivered job whose result landed before its worker died: not rendered again;
-        its manifest line is written if its first worker did not get that far."""
-        assert job.spec is not None
-        name = sidecar_name(job.campaign, job.spec.job_id)
-        record = json.loads(self.storage.get(name))
-        if not self.progress.done_among(job.campaign, [job.spec.job_id])[0]:
-            self.storage.append_lines(manifest_name(job.campaign), [json.dumps(record)])
-        self._succeed([(job, {"job_id": job.spec.job_id, "png_sha256": record["png_sha256"],
-                              "url": self.storage.url(name), "already_stored": True})])
+    def _stored_already(self, job: Job) -> bool:
+        """Finish a job that comes back after its PNG and sidecar were stored: its manifest
+        line is written unless the part its sidecar names holds it already."""
+        try:
+            record = json.loads(self.storage.get(sidecar_name(job.campaign, job.spec.job_id)))
+        except FileNotFoundError:
+            return False
+        except Exception as err:  # noqa: BLE001 - storage away: try again later
+            self.outcomes.retry(job, f"storage: {err!r}", counts=False)
+            return True
+        manifest = self.writer.manifest
+        try:
+            if not manifest.holds(job.campaign, record.get("manifest_part", MANIFEST_BASENAME), job.spec.job_id):
+                manifest.append(job.campaign, manifest.new_part(job.campaign),
+                                [(job.spec.job_id, json.dumps(record))])
+        except Exception as err:  # noqa: BLE001
+            self.outcomes.retry(job, f"storage: {err!r}", counts=False)
+            return True
+        self.outcomes.succeeded([(job, {"job_id": job.spec.job_id, "png_sha256": record.get("png_sha256"),
+                                        "url": self.storage.url(sidecar_name(job.campaign, job.spec.job_id)),
+                                        "already_stored": True})])
+        return True
 
-    def process(self, jobs: list[Job]) -> None:
+    # -- render ----------------------------------------------------------------------
+
+    def _start(self, key: ShapeKey, jobs: list[Job]) -> None:
         """Start the batch on the devices and hand the previous one, now rendered, to the
         writer: the devices work while the consumer gathers the next batch."""
-        jobs = self._admit(jobs)
-        if not jobs:
+        try:
+            started = self.engine.start([job.spec for job in jobs], key, list(range(len(jobs))))
+        except Exception:  # noqa: BLE001 - a poison job must not fail the others
+            self._one_by_one(jobs)
             return
-        specs = [j.spec for j in jobs if j.spec is not None]
-        for key, idx in self.engine.plan(specs):  # one key when the Batcher grouped them
-            batch = [jobs[i] for i in idx]
-            try:
-                started = self.engine.start(specs, key, idx)
-            except Exception:  # noqa: BLE001 - a poison job must not fail the others
-                self._one_by_one(batch)
-                continue
-            self._finish_inflight()
-            self._inflight = (started, batch)
+        self._finish_inflight()
+        self._inflight = (started, jobs)
 
     def _finish_inflight(self) -> None:
         if self._inflight is None:
             return
-        started, batch = self._inflight
+        started, jobs = self._inflight
         self._inflight, self._idle_since = None, time.monotonic()
         try:
             rendered = self.engine.collect(started)
         except Exception:  # noqa: BLE001
-            self._one_by_one(batch)
+            self._one_by_one(jobs)
             return
         self._rate.add(started.key, len(rendered))
-        self._hand_over(rendered, batch)
+        self._hand_over(rendered, jobs)
 
     def _one_by_one(self, jobs: list[Job]) -> None:
         log.warning("batch of %d raised; rendering its jobs one by one", len(jobs), exc_info=True)
         for job in jobs:
             try:
-                rendered = self.engine.render([job.spec])  # type: ignore[list-item]
+                rendered = self.engine.render([job.spec])
             except Exception as err:  # noqa: BLE001
-                self._retry_later(job, f"render: {type(err).__name__}: {err}")
+                self.outcomes.retry(job, f"render: {type(err).__name__}: {err}")
             else:
                 self._hand_over(rendered, [job])
 
+    # -- store -----------------------------------------------------------------------
+
     def _hand_over(self, rendered: list[Rendered], jobs: list[Job]) -> None:
         for job in jobs:
-            self._jobs.setdefault(job.spec.job_id, []).append(job)  # type: ignore[union-attr]
+            self._storing.setdefault(job.ident, []).append(job)
         self.writer.submit(rendered)  # stored and acked while the next batch renders
+
+    def _take(self, campaign: str, job_id: str) -> Job | None:
+        waiting = self._storing.get((campaign, job_id))
+        if not waiting:
+            return None  # given up on by a drain: already put back on the queue
+        job = waiting.pop(0)
+        if not waiting:
+            del self._storing[(campaign, job_id)]
+        return job
+
+    def _stored(self, records: list[dict[str, Any]]) -> None:
+        campaigns = {record["spec"]["campaign"] for record in records}
+        self._gallery_thread.submit(self.gallery.stored, campaigns)
+        self._gallery_stale, self._last_stored = True, time.monotonic()
+        done = []
+        for record in records:
+            campaign, job_id = record["spec"]["campaign"], record["job_id"]
+            job = self._take(campaign, job_id)
+            if job is not None:
+                done.append((job, {"job_id": job_id, "png_sha256": record["png_sha256"],
+                                   "url": self.storage.url(sidecar_name(campaign, job_id))}))
+        self.outcomes.succeeded(done)
+
+    def _store_failed(self, result: Rendered, error: Exception) -> None:
+        job = self._take(result.spec.campaign, result.spec.job_id)
+        if job is not None:
+            self.outcomes.retry(job, f"storage: {error!r}", counts=False)  # not the job's fault
+
+    # -- the consumer's timer ----------------------------------------------------------
 
     def idle_seconds(self) -> float:
         """How long the devices have had no batch (0 while they have one)."""
         return 0.0 if self._inflight is not None else time.monotonic() - self._idle_since
 
     def poll(self) -> None:
-        """Collect a finished batch and ack what has been stored (on the consumer's timer)."""
+        """Start batches whose program is now compiled, collect a finished batch, and
+        settle what has been stored."""
+        for key in [key for key, future in self._compiling.items() if future.done()]:
+            error = self._compiling.pop(key).exception()
+            for jobs in self._awaiting.pop(key, []):
+                if error is None:
+                    self._start(key, jobs)
+                else:
+                    for job in jobs:
+                        self.outcomes.failed(job, f"compile: {error}")
         if self._inflight is not None and self._inflight[0].ready():
             self._finish_inflight()
         self.writer.poll()
@@ -252,6 +380,36 @@ class Processor:
                 and time.monotonic() - self._last_stored > GALLERY_QUIET):
             self._gallery_stale = False
             self._gallery_thread.submit(self.gallery.flush)
+
+    # -- stopping --------------------------------------------------------------------
+
+    def drain(self, deadline: float) -> None:
+        """Warm shutdown (SIGTERM; a spot VM's notice): store what can be stored by
+        `deadline` (monotonic) and put every other job back on the queue now, not after the
+        visibility timeout; an unfinished attempt does not count."""
+        self.writer.stopping.set()
+        waiting = [job for jobs in (self.gatherer.take_all() if self.gatherer else [])
+                   for job in jobs]
+        waiting += [job for batches in self._awaiting.values() for jobs in batches for job in jobs]
+        self._awaiting.clear()
+        if self._inflight is not None:
+            started, jobs = self._inflight
+            while not started.ready() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if started.ready():
+                self._finish_inflight()
+            else:
+                self._inflight = None
+                waiting += jobs
+        self.writer.finish(until=deadline)
+        for result in self.writer.abandon():
+            job = self._take(result.spec.campaign, result.spec.job_id)
+            if job is not None:
+                waiting.append(job)
+        for job in waiting:
+            self.outcomes.retry(job, "the worker is stopping", counts=False)
+        self.drained = True
+        log.info("drained: %d jobs put back on the queue", len(waiting))
 
 
 class RateLog:
@@ -291,20 +449,19 @@ class Gatherer:
                  quiet: float = QUEUE_QUIET) -> None:
         self.processor, self.batch_size, self.max_wait, self.patience = processor, batch_size, max_wait, patience
         self.quiet, self.last_arrival = quiet, time.monotonic()
-        self.buffers: dict[ShapeKey | None, list[Job]] = {}
-        self.deadlines: dict[ShapeKey | None, float] = {}
-        self.since: dict[ShapeKey | None, int] = {}  # batches run when the key's first job came
+        self.buffers: dict[ShapeKey, list[Job]] = {}
+        self.deadlines: dict[ShapeKey, float] = {}
+        self.since: dict[ShapeKey, int] = {}  # batches run when the key's first job came
         self.ran = 0
 
     def add(self, job: Job) -> None:
         self.last_arrival = time.monotonic()
-        key = self.processor.classify(job)
-        if key not in self.buffers:
-            self.buffers[key], self.since[key] = [], self.ran
-            self.deadlines[key] = time.monotonic() + self.max_wait
-        self.buffers[key].append(job)
-        if key is None or len(self.buffers[key]) >= self.batch_size:
-            self.flush(key)  # an invalid job is failed at once, on its own
+        if job.key not in self.buffers:
+            self.buffers[job.key], self.since[job.key] = [], self.ran
+            self.deadlines[job.key] = time.monotonic() + self.max_wait
+        self.buffers[job.key].append(job)
+        if len(self.buffers[job.key]) >= self.batch_size:
+            self.flush(job.key)
 
     def flush_due(self) -> None:
         now = time.monotonic()
@@ -314,25 +471,32 @@ class Gatherer:
         if self.buffers and min(self.processor.idle_seconds(), now - self.last_arrival) >= self.quiet:
             self.flush(min(self.deadlines, key=self.deadlines.__getitem__))
 
-    def flush(self, key: ShapeKey | None) -> None:
+    def flush(self, key: ShapeKey) -> None:
         batch = self.buffers.pop(key)
         del self.deadlines[key], self.since[key]
         self.ran += 1
         started = time.monotonic()
         try:
-            self.processor.process(batch)
-        except Exception:  # noqa: BLE001 - the worker must keep serving; jobs go back
+            self.processor.process(key, batch)
+        except Exception as err:  # noqa: BLE001 - the worker must keep serving; jobs go back
             log.exception("batch of %d failed outside any job; requeued", len(batch))
             for job in batch:
                 if not job.request.acknowledged:
-                    task_ready(job.request)
-                    job.request.reject(requeue=True)
+                    self.processor.outcomes.retry(job, f"worker: {err!r}", counts=False)
         blocked = time.monotonic() - started
         for other in self.deadlines:
             self.deadlines[other] += blocked
         for other in [k for k, since in self.since.items() if self.ran - since >= self.patience]:
             if other in self.buffers:
                 self.flush(other)
+
+    def take_all(self) -> list[list[Job]]:
+        """Every waiting batch, taken away (the worker is stopping)."""
+        batches = list(self.buffers.values())
+        self.buffers.clear()
+        self.deadlines.clear()
+        self.since.clear()
+        return batches
 
 
 class Batcher:
@@ -349,6 +513,7 @@ class Batcher:
         Req = create_request_cls(Request, task, consumer.pool, consumer.hostname,
                                  consumer.event_dispatcher, app=app)
         gatherer = Gatherer(self.processor, self.batch_size, self.max_wait, self.patience)
+        self.processor.gatherer = gatherer
         # Celery publishes buffered task events on the next loop tick, which is one message
         # per received job; here they go out together, once per poll.
         events, buffered = consumer.event_dispatcher, []
@@ -364,19 +529,47 @@ class Batcher:
         consumer.timer.call_repeatedly(0.05, poll)
 
         def handler(message: Any, body: Any, ack: Any, reject: Any, callbacks: Any, **_: Any) -> None:
-            try:
-                req = Req(message, on_ack=ack, on_reject=reject, app=app, hostname=consumer.hostname,
-                          eventer=consumer.event_dispatcher, task=task,
-                          connection_errors=consumer.connection_errors, body=message.body,
-                          headers=message.headers, decoded=False, utc=True)
-            except (ValueError, TypeError, KeyError) as err:  # Celery rejects and logs these
-                raise InvalidTaskError(f"not a job message: {err!r}") from err
+            # worker.envelope has checked the message: Celery's Request takes it as it is.
+            req = Req(message, on_ack=ack, on_reject=reject, app=app, hostname=consumer.hostname,
+                      eventer=consumer.event_dispatcher, task=task,
+                      connection_errors=consumer.connection_errors, body=message.body,
+                      headers=message.headers, decoded=False, utc=True)
             req.send_event("task-received", name=req.name, args=req.argsrepr, kwargs=req.kwargsrepr,
                            root_id=req.root_id, parent_id=req.parent_id, retries=0, eta=None, expires=None)
             task_reserved(req)
-            gatherer.add(Job(req))
+            job = self.processor.receive(req)
+            if job is not None:
+                gatherer.add(job)
 
         return handler
+
+
+def drain_step(processor: Processor, drain_seconds: float) -> type[bootsteps.StartStopStep]:
+    """A consumer bootstep that drains the processor on warm shutdown. It stops before the
+    task consumer (it requires it), so the channel is still open to ack and requeue."""
+    stopping: list[float] = []
+
+    @signals.worker_shutting_down.connect(weak=False)
+    def shutting_down(**_: Any) -> None:  # in the signal handler: only note the moment
+        stopping.append(time.monotonic())
+        processor.writer.stopping.set()
+
+    class Drain(bootsteps.StartStopStep):
+        requires = ("celery.worker.consumer.tasks:Tasks",)
+
+        def shutdown(self, c: Any) -> None:
+            if not stopping:  # a reconnection, not a shutdown: nothing to drain
+                return
+            processor.drain(stopping[0] + drain_seconds)
+            # Celery settles a request (ack, requeue) with a callback on the event loop, which
+            # no longer turns: run them now, while the channel is open, then send the acks.
+            for settle in c.hub._pop_ready() if c.hub is not None else ():
+                settle()
+            channel = c.task_consumer.channel if c.task_consumer else None
+            if channel is not None:
+                channel.qos.flush_acks()
+
+    return Drain
 
 
 def render_task(batcher: Batcher) -> Task:

@@ -41,9 +41,9 @@ def program_flops(compiled: Any) -> float | None:
 
 
 def unet_flops(unet: Any, params: Any, batch: int, latent_height: int, latent_width: int) -> float | None:
-    """FLOPs of one call of a diffusers Flax UNet on `batch` latents (2 per image with
+    """FLOPs of one call of a UNet (worker.nn.unet) on `batch` latents (2 per image with
     classifier-free guidance). Lowered, not compiled: seconds even for SDXL. `params` may be
-    abstract (`jax.eval_shape(unet.init_weights, key)`)."""
+    abstract (`jax.eval_shape(unet.init_params, key)`)."""
     config = unet.config
     f32 = jnp.float32
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), params)  # no transfers
@@ -57,9 +57,8 @@ def unet_flops(unet: Any, params: Any, batch: int, latent_height: int, latent_wi
                  "time_ids": jax.ShapeDtypeStruct((batch, time_ids), f32)}
 
     def call(params: Any, sample: jax.Array, context: jax.Array, added: Any) -> jax.Array:
-        timestep = jnp.full((sample.shape[0],), 999, jnp.int32)
-        extra = {} if added is None else {"added_cond_kwargs": added}
-        return unet.apply({"params": params}, sample, timestep, encoder_hidden_states=context, **extra).sample
+        timestep = jnp.full((sample.shape[0],), 999.0, jnp.float32)
+        return unet.apply({"params": params}, sample, timestep, context, added)
 
     return program_flops(jax.jit(call).lower(params, sample, context, added))
 

@@ -1,27 +1,36 @@
-"""Device-side code: the pure generate functions that the engine jits, one per model family.
+"""Device-side code every family shares: the contract's latents, the denoising loop, the
+VAE decode, and the PNG filter. A family (worker/families) encodes its prompts and calls
+these; the engine jits the family's `generate` with everything static bound first.
 
-They follow diffusers' Flax `_generate` step for step, with two changes the job contract
-needs: each job's initial latents come from its own seed, and guidance is one value per
-job (shape (B,)), so prompts, negatives, seeds and guidance never change the compiled
-program. Everything static (family, scheduler, steps, size) is bound before `jax.jit`.
+The loop is diffusers' PyTorch pipelines' (StableDiffusionPipeline and the XL one), the
+reference our images are held to, with two changes the job contract needs: each job's
+initial latents come from its own seed, and guidance is one value per job (shape (B,)), so
+prompts, negatives, seeds and guidance never change the compiled program. PyTorch runs no
+classifier-free guidance for a guidance scale <= 1; here such a job still evaluates both
+halves (one program per shape) and takes the conditional one, which is what PyTorch gets.
 
-Each returns the images and their PNG scanlines: the byte-wise half of PNG encoding (the
-Paeth filter) costs the devices next to nothing and the host's cores a pass per image, so
-it is done here and the host only deflates (worker/png.py).
+Each program returns the images and their PNG scanlines: the byte-wise half of PNG encoding
+(the Paeth filter) costs the devices next to nothing and the host's cores a pass per image,
+so it is done here and the host only deflates (worker/png.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from worker.nn.unet import UNet2DConditionModel
+from worker.nn.vae import AutoencoderKL
+from worker.schedulers import Scheduler
+
 
 class Inputs(NamedTuple):
     """One padded batch. Leading axis B everywhere; sharded over devices."""
 
-    prompt_ids: jax.Array  # (B, 77) int32; (B, 2, 77) for SDXL
+    prompt_ids: jax.Array  # (B, T, 77) int32: one row per text encoder (T = 1 for SD 1.x/2.x)
     negative_ids: jax.Array  # same shape as prompt_ids
     has_negative: jax.Array  # (B,) bool: SDXL uses zero embeddings for an empty negative
     keys: jax.Array  # (B, 2) uint32: jax.random.PRNGKey(seed) of each job
@@ -49,6 +58,38 @@ def initial_latents(keys: jax.Array, shape: tuple[int, int, int]) -> jax.Array:
     return one.reshape(keys.shape[0], *shape)
 
 
+def denoise(unet: UNet2DConditionModel, unet_params: Any, scheduler: Scheduler, static: Static,
+            latent_shape: tuple[int, int, int], inputs: Inputs, context: jax.Array,
+            added: Mapping[str, jax.Array] | None) -> jax.Array:
+    """The sampling loop of diffusers' PyTorch pipelines with classifier-free guidance per
+    job: `context` (and `added`) hold the unconditional half first, then the conditional.
+    Latents and the scheduler's state stay float32 whatever the UNet computes in."""
+    latents = initial_latents(inputs.keys, latent_shape)
+    state = scheduler.set_timesteps(static.steps, latents.shape)  # host side: constants
+    latents = latents * state.init_noise_sigma
+    # PyTorch skips guidance when the scale is <= 1: that is the conditional half alone.
+    guidance = jnp.where(inputs.guidance > 1, inputs.guidance, 1.0).astype(jnp.float32)[:, None, None, None]
+
+    def body(i: jax.Array, carry: tuple[jax.Array, Any]) -> tuple[jax.Array, Any]:
+        latents, state = carry
+        both = scheduler.scale_model_input(state, jnp.concatenate([latents] * 2), i)
+        t = jnp.broadcast_to(state.timesteps[i], both.shape[:1])
+        noise = unet.apply({"params": unet_params}, both, t, context, added).astype(jnp.float32)
+        uncond, text = jnp.split(noise, 2)
+        return scheduler.step(state, uncond + guidance * (text - uncond), i, latents)
+
+    latents, _ = jax.lax.fori_loop(0, state.timesteps.shape[0], body, (latents, state))
+    return latents
+
+
+def decode(vae: AutoencoderKL, vae_params: Any, latents: jax.Array) -> Output:
+    """Latents to uint8 pixels as the PyTorch pipelines' image processor makes them."""
+    pixels = vae.apply({"params": vae_params}, latents / vae.config.scaling_factor, method=vae.decode)
+    image = (pixels.astype(jnp.float32) / 2 + 0.5).clip(0, 1).transpose(0, 2, 3, 1)
+    image = jnp.round(image * 255).astype(jnp.uint8)
+    return Output(image, png_scanlines(image))
+
+
 def png_scanlines(images: jax.Array) -> jax.Array:
     """PNG's Paeth filter (type 4) of every row, each led by its type byte, as
     `worker.png.paeth_filter` computes it on the host: a = left, b = up, c = up-left,
@@ -64,68 +105,3 @@ def png_scanlines(images: jax.Array) -> jax.Array:
     filtered = ((x - predictor) & 0xFF).astype(jnp.uint8)  # modulo 256, as PNG wants
     kind = jnp.full((batch, height, 1), 4, jnp.uint8)
     return jnp.concatenate([kind, filtered], axis=-1)
-
-
-def _denoise(pipe: Any, scheduler: Any, sched_state: Any, params: Any, static: Static,
-             inputs: Inputs, context: jax.Array, init_sigma_from_set: bool,
-             added_cond_kwargs: dict[str, jax.Array] | None) -> Output:
-    """The shared loop: classifier-free guidance with per-job scale, then VAE decode to uint8."""
-    f = pipe.vae_scale_factor
-    latents = initial_latents(
-        inputs.keys, (pipe.unet.config.in_channels, static.height // f, static.width // f))
-    guidance = inputs.guidance.astype(jnp.float32)[:, None, None, None]
-    state = scheduler.set_timesteps(sched_state, num_inference_steps=static.steps, shape=latents.shape)
-    # SD scales by the state before set_timesteps, SDXL after: mirror each pipeline exactly.
-    latents = latents * (state if init_sigma_from_set else sched_state).init_noise_sigma
-    extra = {} if added_cond_kwargs is None else {"added_cond_kwargs": added_cond_kwargs}
-
-    def body(step: int, carry: tuple[jax.Array, Any]) -> tuple[jax.Array, Any]:
-        latents, state = carry
-        latents_input = jnp.concatenate([latents] * 2)
-        t = jnp.array(state.timesteps, dtype=jnp.int32)[step]
-        timestep = jnp.broadcast_to(t, latents_input.shape[0])
-        latents_input = scheduler.scale_model_input(state, latents_input, t)
-        noise = pipe.unet.apply(
-            {"params": params["unet"]}, jnp.array(latents_input), jnp.array(timestep, dtype=jnp.int32),
-            encoder_hidden_states=context, **extra,
-        ).sample
-        uncond, text = jnp.split(noise, 2, axis=0)
-        noise = uncond + guidance * (text - uncond)
-        return scheduler.step(state, noise, t, latents).to_tuple()
-
-    latents, _ = jax.lax.fori_loop(0, static.steps, body, (latents, state))
-    latents = 1 / pipe.vae.config.scaling_factor * latents
-    image = pipe.vae.apply({"params": params["vae"]}, latents, method=pipe.vae.decode).sample
-    image = (image / 2 + 0.5).clip(0, 1).transpose(0, 2, 3, 1)
-    image = jnp.round(image * 255).astype(jnp.uint8)
-    return Output(image, png_scanlines(image))
-
-
-def generate_sd(pipe: Any, scheduler: Any, static: Static,
-                params: Any, sched_state: Any, inputs: Inputs) -> Output:
-    """SD 1.x / 2.x: one text encoder; the negative prompt is always encoded ("" included)."""
-    cond = pipe.text_encoder(inputs.prompt_ids, params=params["text_encoder"])[0]
-    uncond = pipe.text_encoder(inputs.negative_ids, params=params["text_encoder"])[0]
-    context = jnp.concatenate([uncond, cond])
-    return _denoise(pipe, scheduler, sched_state, params, static, inputs, context, False, None)
-
-
-def generate_sdxl(pipe: Any, scheduler: Any, static: Static,
-                  params: Any, sched_state: Any, inputs: Inputs) -> Output:
-    """SDXL: two encoders, pooled embeddings and size conditioning; empty negative is zeros."""
-    cond, pooled = pipe.get_embeddings(inputs.prompt_ids, params)
-    neg, neg_pooled = pipe.get_embeddings(inputs.negative_ids, params)
-    has_neg = inputs.has_negative
-    neg = jnp.where(has_neg[:, None, None], neg, jnp.zeros_like(neg))
-    neg_pooled = jnp.where(has_neg[:, None], neg_pooled, jnp.zeros_like(neg_pooled))
-    size = (static.height, static.width)
-    time_ids = pipe._get_add_time_ids(size, (0, 0), size, cond.shape[0], dtype=cond.dtype)
-    context = jnp.concatenate([neg, cond], axis=0)
-    added = {
-        "text_embeds": jnp.concatenate([neg_pooled, pooled], axis=0),
-        "time_ids": jnp.concatenate([time_ids, time_ids], axis=0),
-    }
-    return _denoise(pipe, scheduler, sched_state, params, static, inputs, context, True, added)
-
-
-GENERATORS = {"sd": generate_sd, "sdxl": generate_sdxl}

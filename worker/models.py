@@ -1,88 +1,82 @@
 """Model loading: one path for every model reference, so tests exercise what users run.
 
 A reference is a hub id (optionally `@revision`), a local diffusers folder, or a `gs://`
-folder copied once into a local cache. Every kind is first resolved to a local folder,
-then loaded by the same code.
+folder copied once into a local cache. Every kind is first resolved to a local folder, then
+loaded by the same code: the family from model_index.json (worker/families), each
+component's network from its config.json (worker/nn), its weights from safetensors or Flax
+msgpack (worker/weights.py; never a pickle), the tokenizers (worker/tokenizer.py) and the
+scheduler config. Nothing here imports torch, diffusers or transformers.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
 import os
 import shutil
-import warnings
-from collections.abc import Iterator
+import sys
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from tqdm import tqdm
 
-from renderfarm.jobs import JobError
+from renderfarm.jobs import SCHEDULERS, JobError, check_variant
 from renderfarm.storage import open_storage
+from worker.families import Family, Networks, detect
+from worker.tokenizer import CLIPTokenizer, TokenizerError
+from worker.weights import load_weights
 
-# What a Flax pipeline needs from a hub repo; torch weights are never fetched.
-HUB_PATTERNS = ["*.json", "*.txt", "*.msgpack"]
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# The job contract's scheduler names of the scheduler classes model folders name (PyTorch, Flax).
 SCHEDULER_NAMES = {
-    "FlaxPNDMScheduler": "pndm", "PNDMScheduler": "pndm",
-    "FlaxDDIMScheduler": "ddim", "DDIMScheduler": "ddim",
-    "FlaxLMSDiscreteScheduler": "lms", "LMSDiscreteScheduler": "lms",
-    "FlaxEulerDiscreteScheduler": "euler", "EulerDiscreteScheduler": "euler",
-    "FlaxDPMSolverMultistepScheduler": "dpm", "DPMSolverMultistepScheduler": "dpm",
+    cls: name for name, classes in {
+        "pndm": ("PNDMScheduler",), "ddim": ("DDIMScheduler",), "lms": ("LMSDiscreteScheduler",),
+        "euler": ("EulerDiscreteScheduler",), "dpm": ("DPMSolverMultistepScheduler",),
+    }.items() for base in classes for cls in (base, f"Flax{base}")
 }
+# What a hub snapshot needs: configs, tokenizer files and weights; never a pickle.
+HUB_CONFIGS = ["*.json", "*.txt"]
 
 
 @dataclasses.dataclass
 class LoadedModel:
-    """A pipeline (module definitions), its parameters on the host, and where they came from."""
+    """A pipeline's networks, weights (on the host), tokenizers and configs, and where they
+    came from."""
 
     ref: str
     revision: str | None
-    family: str  # "sd" or "sdxl"
+    family: Family
     dtype: str
-    pipe: Any
-    params: dict[str, Any]
+    variant: str | None
+    networks: Networks
+    params: dict[str, Any]  # component -> parameter tree (numpy)
+    tokenizers: list[CLIPTokenizer]
+    configs: dict[str, dict[str, Any]]  # component -> config.json, "scheduler" included
 
     @property
     def vae_scale_factor(self) -> int:
-        return int(self.pipe.vae_scale_factor)
+        return self.networks["vae"].config.scale_factor
 
     @property
     def size_step(self) -> int:
         """Pixels per step of width/height: VAE factor x UNet downsampling."""
-        return self.vae_scale_factor * 2 ** (len(self.pipe.unet.config.block_out_channels) - 1)
+        return self.vae_scale_factor * 2 ** (len(self.networks["unet"].config.block_out_channels) - 1)
 
     @property
     def native_size(self) -> int:
-        return int(self.pipe.unet.config.sample_size) * self.vae_scale_factor
+        return int(self.networks["unet"].config.sample_size) * self.vae_scale_factor
 
     @property
     def default_scheduler(self) -> str:
-        return SCHEDULER_NAMES[type(self.pipe.scheduler).__name__]
-
-
-@contextlib.contextmanager
-def quiet_diffusers() -> Iterator[None]:
-    """diffusers warns on every Flax class use and about the disabled safety checker; users
-    of the farm cannot act on either, so keep them out of their output."""
-    import diffusers.utils.logging as dlog
-    import transformers.utils.logging as tlog
-
-    old = dlog.get_verbosity(), tlog.get_verbosity()
-    dlog.set_verbosity_error()
-    tlog.set_verbosity_error()
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*Flax classes are deprecated.*")
-            warnings.filterwarnings("ignore", category=FutureWarning, module="diffusers")
-            yield
-    finally:
-        dlog.set_verbosity(old[0])
-        tlog.set_verbosity(old[1])
+        """The job contract's name of the model's own scheduler."""
+        name = self.configs["scheduler"].get("_class_name")
+        if name not in SCHEDULER_NAMES:
+            raise JobError("scheduler", None, f"the model's own scheduler is {name!r}, which the farm does not "
+                                              f"run: name one of {', '.join(SCHEDULERS)}")
+        return SCHEDULER_NAMES[name]
 
 
 def split_ref(ref: str) -> tuple[str, str | None]:
@@ -97,8 +91,20 @@ def cache_root() -> Path:
     return Path(os.environ.get("RENDERFARM_MODEL_CACHE", Path.home() / ".cache" / "renderfarm" / "models"))
 
 
+def contained(url: str, names: list[str]) -> list[str]:
+    """The object names of a gs:// folder, each checked to stay inside it once it is a local
+    path: names are whatever the bucket's writers chose, and are checked before anything is
+    written."""
+    for name in names:
+        if name.startswith("/") or "\\" in name or any(part in ("", ".", "..") for part in name.split("/")):
+            raise JobError("model", url, f"holds an object named {name!r}, which would be written outside "
+                                         "the model's folder: refused")
+    return names
+
+
 def _fetch_gcs_folder(url: str) -> Path:
-    """Copy a gs:// model folder into the local cache once; a marker says the copy is whole."""
+    """Copy a gs:// model folder into the local cache once (with a progress bar); a marker
+    says the copy is whole."""
     target = cache_root() / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:24]
     marker = target / ".complete"
     if marker.exists():
@@ -106,20 +112,31 @@ def _fetch_gcs_folder(url: str) -> Path:
     store = open_storage(url)
     partial = target.with_name(target.name + f".partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
-    names = list(store.list(""))
+    names = contained(url, list(store.list("")))
     if not names:
         raise JobError("model", url, "is an empty or missing gs:// folder")
-    for name in names:
-        dest = partial / name
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        dest.write_bytes(store.get(name))
+    with tqdm(total=len(names), unit="file", desc=f"copying {url}", file=sys.stderr) as bar:
+        for name in names:
+            dest = partial / name
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(store.get(name))
+            bar.update(1)
     (partial / ".complete").write_text(url)
     shutil.rmtree(target, ignore_errors=True)
     os.replace(partial, target)
     return target
 
 
-def resolve(ref: str) -> tuple[Path, str | None]:
+def hub_patterns(variant: str | None) -> list[str]:
+    """What to fetch of a hub repo: configs, tokenizer files, and the weights of `variant`
+    (safetensors, sharded or not; Flax msgpack when no variant is asked for), nothing else:
+    a repo often holds every format and variant of the same weights, and pickles."""
+    if variant is None:
+        return [*HUB_CONFIGS, "*model.safetensors", "*model-*-of-*.safetensors", "*.msgpack"]
+    return [*HUB_CONFIGS, f"*.{variant}.safetensors", f"*.{variant}-*-of-*.safetensors"]
+
+
+def resolve(ref: str, variant: str | None = None) -> tuple[Path, str | None]:
     """Any model reference -> (local diffusers folder, revision or None)."""
     if ref.startswith("gs://"):
         return _fetch_gcs_folder(ref), None
@@ -129,60 +146,52 @@ def resolve(ref: str) -> tuple[Path, str | None]:
     from huggingface_hub import snapshot_download
 
     repo, revision = split_ref(ref)
-    try:
-        folder = Path(snapshot_download(repo, revision=revision, allow_patterns=HUB_PATTERNS))
+    try:  # huggingface_hub shows a progress bar per file while it downloads
+        folder = Path(snapshot_download(repo, revision=revision, allow_patterns=hub_patterns(variant)))
     except Exception as err:  # the hub client raises many types; the user needs the reason
         raise JobError("model", ref, f"could not be resolved on the hub or its cache ({err})") from err
     return folder, folder.name  # a snapshot folder is named by its commit
 
 
-def _diffusers_models(folder: Path, index: dict[str, Any], dtype: Any) -> dict[str, tuple[Any, Any]]:
-    """The pipeline's diffusers models (UNet, VAE) built from their configs, with their
-    weights as stored. diffusers' own loader traces each model's initialisation under
-    `jax.eval_shape` to check the weights' shapes, which is most of a warm worker's
-    start-up; here the engine checks them against the compiled program instead
-    (`Engine.compiled`), and a fresh compile fails on a mismatch with flax's error."""
-    import diffusers
-    from diffusers.models.modeling_flax_utils import FlaxModelMixin
-    from diffusers.utils import FLAX_WEIGHTS_NAME
-    from flax.serialization import msgpack_restore
-
-    models = {}
-    for name, entry in index.items():
-        weights = folder / name / FLAX_WEIGHTS_NAME
-        if not isinstance(entry, list) or entry[0] != "diffusers" or not weights.is_file():
-            continue
-        cls = getattr(diffusers, entry[1] if entry[1].startswith("Flax") else f"Flax{entry[1]}", None)
-        if isinstance(cls, type) and issubclass(cls, FlaxModelMixin):
-            module = cls.from_config(cls.load_config(folder / name), dtype=dtype)
-            models[name] = (module, msgpack_restore(weights.read_bytes()))
-    return models
+def _read_json(ref: str, path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise JobError("model", ref, f"has no {path.parent.name}/{path.name}") from None
+    except (ValueError, UnicodeDecodeError) as err:
+        raise JobError("model", ref, f"{path}: not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise JobError("model", ref, f"{path}: must be a JSON object")
+    return data
 
 
-def load_model(ref: str, dtype: str = "float32") -> LoadedModel:
-    """Load a diffusers Flax pipeline; with bfloat16 the weights are cast but the scheduler
-    state stays float32 (its small values lose too much in bfloat16)."""
+def load_model(ref: str, dtype: str = "float32", variant: str | None = None) -> LoadedModel:
+    """Load a diffusers pipeline folder (any reference) for the farm. With bfloat16 the
+    weights are cast; the schedulers keep their state in float32 whatever the dtype."""
     if dtype not in DTYPES:
         raise JobError("dtype", dtype, f"must be one of {', '.join(DTYPES)}")
-    folder, revision = resolve(ref)
-    index = folder / "model_index.json"
-    if not folder.is_dir() or not index.is_file():
+    if variant is not None:
+        check_variant(variant)
+    folder, revision = resolve(ref, variant)
+    if not (folder / "model_index.json").is_file():
         raise JobError("model", ref, "must be a diffusers pipeline folder (no model_index.json found)")
-    components = json.loads(index.read_text())
-    family = "sdxl" if "XL" in components.get("_class_name", "") else "sd"
-    kwargs: dict[str, Any] = {} if family == "sdxl" else {"safety_checker": None, "feature_extractor": None}
-
-    from diffusers import FlaxDiffusionPipeline
-
-    with quiet_diffusers():
+    index = _read_json(ref, folder / "model_index.json")
+    family = detect(ref, index)
+    configs = {name: _read_json(ref, folder / name / "config.json") for name in family.components}
+    configs["scheduler"] = _read_json(ref, folder / "scheduler" / "scheduler_config.json")
+    modules, params = {}, {}
+    for name, component in family.components.items():
         try:
-            models = _diffusers_models(folder, components, DTYPES[dtype])
-            pipe, params = FlaxDiffusionPipeline.from_pretrained(
-                str(folder), dtype=DTYPES[dtype], **kwargs, **{name: module for name, (module, _) in models.items()})
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise JobError("model", ref, f"must be a loadable diffusers Flax pipeline ({err})") from err
-    params.update({name: weights for name, (_, weights) in models.items()})
-    if dtype == "bfloat16":
-        params = {k: v if k == "scheduler" else jax.tree.map(lambda x: x.astype(jnp.bfloat16), v)
-                  for k, v in params.items()}
-    return LoadedModel(ref=ref, revision=revision, family=family, dtype=dtype, pipe=pipe, params=params)
+            config = component.config.from_dict(configs[name])
+        except (ValueError, TypeError) as err:
+            raise JobError("model", ref, f"{name}/config.json: {err}") from None
+        modules[name] = component.module(config, dtype=DTYPES[dtype])
+        expected = jax.eval_shape(modules[name].init_params, jax.random.PRNGKey(0))
+        params[name] = load_weights(folder, name, component.kind, expected, DTYPES[dtype], variant)
+    try:
+        tokenizers = [CLIPTokenizer.from_folder(folder / name) for name in family.tokenizers]
+    except TokenizerError as err:
+        raise JobError("model", ref, str(err)) from None
+    networks = Networks(tuple(modules.items()), bool(index.get("force_zeros_for_empty_prompt", True)))
+    return LoadedModel(ref=ref, revision=revision, family=family, dtype=dtype, variant=variant, networks=networks,
+                       params=params, tokenizers=tokenizers, configs=configs)

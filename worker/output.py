@@ -1,4 +1,4 @@
-"""Finished jobs into stored results: PNG, sidecar JSON and manifest lines (DESIGN.md layout).
+"""Finished jobs into stored results: PNG, sidecar JSON and manifest lines (the storage layout).
 
 The PNG carries only what defines its pixels, so a job rendered twice gives the same bytes;
 where, when and how fast it was rendered goes in the sidecar.
@@ -7,11 +7,15 @@ where, when and how fast it was rendered goes in the sidecar.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import dataclasses
 import functools
 import hashlib
 import json
 import os
 import socket
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from importlib import metadata
@@ -22,12 +26,14 @@ from PIL import Image
 
 from renderfarm.gallery import store_thumbnail
 from renderfarm.jobs import JobError
-from renderfarm.storage import Storage, image_name, manifest_name, sidecar_name
+from renderfarm.manifest import open_manifest
+from renderfarm.storage import Storage, image_name, sidecar_name
 from worker.engine import Rendered
 from worker.models import LoadedModel
 from worker.png import encode_png
 
-LIBRARIES = ("renderfarm", "jax", "jaxlib", "flax", "diffusers", "transformers")
+LIBRARIES = ("renderfarm", "jax", "jaxlib", "flax", "tokenizers")
+Stored = tuple[Rendered, "tuple[dict[str, Any], str] | Exception"]  # a sidecar and its line, or why not
 
 
 @functools.cache
@@ -47,8 +53,10 @@ def result_png(result: Rendered) -> bytes:
     return encode_png(result.image, {"renderfarm": spec}, result.scanlines)
 
 
-def sidecar(result: Rendered, model: LoadedModel, png: bytes, devices: list[jax.Device]) -> dict[str, Any]:
-    """Everything needed to reproduce and audit one image."""
+def sidecar(result: Rendered, model: LoadedModel, png: bytes, devices: list[jax.Device],
+            manifest_part: str) -> dict[str, Any]:
+    """Everything needed to reproduce and audit one image, and where its manifest line goes
+    (so a job that comes back after it was stored finds out whether that line was written)."""
     key = result.key
     return {
         "job_id": result.spec.job_id,
@@ -57,7 +65,8 @@ def sidecar(result: Rendered, model: LoadedModel, png: bytes, devices: list[jax.
         "height": key.height,
         "scheduler": key.scheduler,
         "truncated": result.truncated,
-        "model": {"ref": model.ref, "revision": model.revision, "family": model.family},
+        "model": {"ref": model.ref, "revision": model.revision, "variant": model.variant,
+                  "family": model.family.name},
         "dtype": model.dtype,
         "png_sha256": hashlib.sha256(png).hexdigest(),
         "worker": {"host": socket.gethostname(), "pid": os.getpid(), "device_kind": devices[0].device_kind,
@@ -65,15 +74,16 @@ def sidecar(result: Rendered, model: LoadedModel, png: bytes, devices: list[jax.
         "batch": {"seq": result.batch.seq, "jobs": result.batch.jobs, "slots": result.batch.slots},
         "timings": {"batch_seconds": round(result.batch.seconds, 4)},
         "versions": library_versions(),
+        "manifest_part": manifest_part,
     }
 
 
-def store_result(storage: Storage, result: Rendered, model: LoadedModel,
-                 devices: list[jax.Device]) -> tuple[dict[str, Any], str]:
+def store_result(storage: Storage, result: Rendered, model: LoadedModel, devices: list[jax.Device],
+                 manifest_part: str) -> tuple[dict[str, Any], str]:
     """Store one job's PNG and gallery thumbnail, then its sidecar (so a sidecar always
     has its image); returns the sidecar and its JSON text, which is its manifest line."""
     png = result_png(result)
-    record = sidecar(result, model, png, devices)
+    record = sidecar(result, model, png, devices, manifest_part)
     line = json.dumps(record)
     campaign, job_id = result.spec.campaign, result.spec.job_id
     storage.put(image_name(campaign, job_id), png, "image/png")
@@ -90,13 +100,23 @@ def default_store_threads() -> int:
     return max(2, min(8, os.cpu_count() or 2))
 
 
+@dataclasses.dataclass
+class _Storing:
+    """A batch on the store threads: its manifest part per campaign, its jobs, their futures."""
+
+    parts: dict[str, str]
+    batch: list[Rendered]
+    futures: list[Future[list[Stored]]]
+
+
 class BatchWriter:
     """Encodes and stores finished batches on a thread pool while the devices render the
     next ones (PNG encoding and uploads release the GIL). At most `max_pending` batches
     wait, so memory stays bounded; `submit` blocks beyond that. Per batch, in batch order,
     once all of its jobs are through: manifest lines for the stored ones, then
     `on_stored(records)`, then `on_failed(result, error)` for each job that could not be
-    stored (by default the error is raised)."""
+    stored or whose manifest line could not be written (by default the error is raised).
+    Every job submitted reaches exactly one of the two."""
 
     def __init__(self, storage: Storage, model: LoadedModel, devices: list[jax.Device],
                  threads: int | None = None, max_pending: int = 2,
@@ -107,48 +127,78 @@ class BatchWriter:
             raise JobError("store_threads", threads, "must be at least 1")
         self.storage, self.model, self.devices, self.threads = storage, model, devices, threads
         self.max_pending, self.on_stored, self.on_failed = max_pending, on_stored, on_failed
+        self.manifest = open_manifest(storage)
+        self.stopping = threading.Event()  # set: `submit` no longer waits for old batches
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="store")
-        self._pending: collections.deque[list[Future[list[tuple[Rendered, Any]]]]] = collections.deque()
+        self._pending: collections.deque[_Storing] = collections.deque()
 
     def submit(self, batch: list[Rendered]) -> None:
+        parts = {campaign: self.manifest.new_part(campaign) for campaign in {r.spec.campaign for r in batch}}
         # One task per thread, not per job: a future costs the consumer's thread more than
         # a small image costs to store.
         chunks = [batch[i::self.threads] for i in range(min(self.threads, len(batch)))]
-        self._pending.append([self._pool.submit(self._store, chunk) for chunk in chunks])
-        while len(self._pending) > self.max_pending:
-            self._finish_oldest()
+        self._pending.append(_Storing(parts, batch, [self._pool.submit(self._store, chunk, parts) for chunk in chunks]))
+        while len(self._pending) > self.max_pending and not self.stopping.is_set():
+            self._finish_oldest(wait=0.1)  # in slices, so a worker told to stop stops waiting
         self.poll()
 
-    def _store(self, chunk: list[Rendered]) -> list[tuple[Rendered, tuple[dict[str, Any], str] | Exception]]:
-        done: list[tuple[Rendered, tuple[dict[str, Any], str] | Exception]] = []
+    def _store(self, chunk: list[Rendered], parts: dict[str, str]) -> list[Stored]:
+        done: list[Stored] = []
         for result in chunk:
             try:
-                done.append((result, store_result(self.storage, result, self.model, self.devices)))
+                done.append((result, store_result(self.storage, result, self.model, self.devices,
+                                                  parts[result.spec.campaign])))
             except Exception as err:  # noqa: BLE001 - handed to on_failed, raised by default
                 done.append((result, err))
         return done
 
     def poll(self) -> None:
         """Finish the batches, oldest first, that are stored already; never blocks on one."""
-        while self._pending and all(f.done() for f in self._pending[0]):
+        while self._pending and all(f.done() for f in self._pending[0].futures):
             self._finish_oldest()
 
-    def _finish_oldest(self) -> None:
-        done = sorted((pair for future in self._pending.popleft() for pair in future.result()),
+    def finish(self, until: float) -> None:
+        """Finish the batches, oldest first, that are stored before `until` (monotonic)."""
+        while self._pending and self._finish_oldest(wait=max(0.0, until - time.monotonic())):
+            pass
+
+    def abandon(self) -> list[Rendered]:
+        """Give up the batches not finished yet: their jobs, to be tried again elsewhere. A
+        store already running completes; its job is not reported as stored."""
+        results = []
+        for storing in self._pending:
+            for future in storing.futures:
+                future.cancel()
+            results += storing.batch
+        self._pending.clear()
+        return results
+
+    def _finish_oldest(self, wait: float | None = None) -> bool:
+        """Finish the oldest batch once it is stored (waiting at most `wait` seconds, if
+        given); False if it was not stored in time."""
+        parts, futures = self._pending[0].parts, self._pending[0].futures
+        if wait is not None and concurrent.futures.wait(futures, timeout=wait).not_done:
+            return False
+        self._pending.popleft()
+        done = sorted((pair for future in futures for pair in future.result()),
                       key=lambda pair: pair[0].index)  # batch order
-        stored = [outcome for _, outcome in done if not isinstance(outcome, Exception)]
+        stored = [(result, outcome) for result, outcome in done if not isinstance(outcome, Exception)]
         failures = [(result, outcome) for result, outcome in done if isinstance(outcome, Exception)]
-        by_campaign: dict[str, list[str]] = {}
-        for record, line in stored:
-            by_campaign.setdefault(record["spec"]["campaign"], []).append(line)
-        for campaign, lines in by_campaign.items():
-            self.storage.append_lines(manifest_name(campaign), lines)
-        records = [record for record, _ in stored]
-        self.on_stored(records)
+        by_campaign: dict[str, list[tuple[str, str]]] = {}
+        for result, (_, line) in stored:
+            by_campaign.setdefault(result.spec.campaign, []).append((result.spec.job_id, line))
+        try:
+            for campaign, entries in by_campaign.items():
+                self.manifest.append(campaign, parts[campaign], entries)
+        except Exception as err:  # noqa: BLE001 - their files stay; the jobs come back and find them
+            failures += [(result, err) for result, _ in stored]
+            stored = []
+        self.on_stored([record for _, (record, _) in stored])
         for result, err in failures:
             if self.on_failed is None:
                 raise err
             self.on_failed(result, err)
+        return True
 
     @property
     def idle(self) -> bool:

@@ -21,13 +21,21 @@
 #   PACKAGE         pip requirement or gs:// wheel of renderfarm (required)
 #   CONSTRAINTS     optional gs:// or https URL of requirements.lock
 #   PER_DEVICE_BATCH, MAX_WAIT, VISIBILITY_TIMEOUT, WORKER_ARGS   worker settings (optional)
-#   PROJECT         default: gcloud's configured project
-#   SERVICE_ACCOUNT default: the Compute Engine default account; it needs storage write on
-#                   OUT's bucket, read on the model, and secretmanager.secretAccessor
+#   PROJECT         default: gcloud's configured project (required with DRY_RUN=1)
+#   SERVICE_ACCOUNT the workers' own service account, created if missing (default
+#                   renderfarm-worker@PROJECT.iam.gserviceaccount.com). It is granted only:
+#                   roles/storage.objectUser on OUT's bucket; roles/storage.objectViewer on the
+#                   buckets of a gs:// MODEL, PACKAGE or CONSTRAINTS (startup.sh fetches them
+#                   as the VM); roles/secretmanager.secretAccessor on BROKER_SECRET alone.
+#                   Never the Compute Engine default account (often Editor on the whole project).
 #   SPOT=1          spot VMs (cheap, preemptible; jobs of a preempted VM come back after the
 #                   visibility timeout)
 #   INTERNAL_IPS=1  no external IPs (the broker must be reachable privately)
-#   DRY_RUN=1       print the gcloud commands instead of running them
+#   DRY_RUN=1       print the gcloud commands instead of running them (the account's creation
+#                   included, which a real run skips when the account exists)
+#
+# Scopes: devstorage.read_write, plus cloud-platform only with BROKER_SECRET, because Secret
+# Manager accepts no narrower scope; the account's grants above are then what limit the VMs.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -41,6 +49,7 @@ ZONE=${ZONE:?set ZONE to a zone that has $GENERATION TPUs}
 MODEL=${MODEL:?set MODEL to the model reference the workers serve}
 OUT=${OUT:?set OUT to gs://BUCKET/PREFIX}
 PACKAGE=${PACKAGE:?set PACKAGE to a pip requirement or gs:// wheel of renderfarm}
+dry_run=${DRY_RUN:-0}
 
 case $GENERATION in
   v5e) accelerator="v5litepod-$CHIPS"; runtime=v2-alpha-tpuv5-lite ;;
@@ -52,6 +61,12 @@ case $CHIPS in
   *) die "CHIPS must be 1, 4 or 8 (single-host slices), not '$CHIPS'" ;;
 esac
 [[ $COUNT =~ ^[1-9][0-9]*$ ]] || die "COUNT must be a positive integer, not '$COUNT'"
+[[ $OUT == gs://?* ]] || die "OUT must be gs://BUCKET/PREFIX, not '$OUT'"
+if [[ -z ${PROJECT:-} ]]; then
+  [[ $dry_run == 1 ]] && die "set PROJECT: DRY_RUN=1 does not ask gcloud for its configured project"
+  PROJECT=$(gcloud config get-value project 2>/dev/null) || true
+  [[ -n $PROJECT ]] || die "set PROJECT: gcloud has no configured project"
+fi
 
 if [[ -n ${BROKER_SECRET:-} ]]; then
   broker="renderfarm-broker-secret=$BROKER_SECRET"
@@ -64,27 +79,82 @@ fi
 # '^|^' makes '|' the separator between metadata entries (values hold ':', ',' and '@').
 metadata="^|^renderfarm-package=$PACKAGE|renderfarm-model=$MODEL|renderfarm-out=$OUT|$broker"
 metadata+="|renderfarm-per-device-batch=${PER_DEVICE_BATCH:-1}|renderfarm-max-wait=${MAX_WAIT:-2}"
-metadata+="|renderfarm-visibility-timeout=${VISIBILITY_TIMEOUT:-3600}"
+metadata+="|renderfarm-visibility-timeout=${VISIBILITY_TIMEOUT:-300}"
 [[ -n ${CONSTRAINTS:-} ]] && metadata+="|renderfarm-constraints=$CONSTRAINTS"
 [[ -n ${WORKER_ARGS:-} ]] && metadata+="|renderfarm-worker-args=$WORKER_ARGS"
 [[ $metadata == *$'\n'* ]] && die "settings must not contain newlines"
 
-flags=(--zone="$ZONE" --accelerator-type="$accelerator" --version="$runtime"
+# run COMMAND...: run it, or with DRY_RUN=1 print it (shell-quoted, one line).
+run() {
+  if [[ $dry_run == 1 ]]; then
+    printf '%q ' "$@"
+    echo
+  else
+    "$@"
+  fi
+}
+
+# grant COMMAND...: an IAM binding. An account just created can take a minute to be seen by
+# IAM, so a refused binding is tried again (5 times, 10 s apart); gcloud's policy dump is dropped.
+grant() {
+  if [[ $dry_run == 1 ]]; then
+    run "$@"
+    return
+  fi
+  local attempt
+  for attempt in 1 2 3 4 5; do
+    "$@" >/dev/null && return
+    [[ $attempt == 5 ]] || sleep 10
+  done
+  die "could not grant: $*"
+}
+
+# bucket_of gs://BUCKET/PATH -> gs://BUCKET
+bucket_of() {
+  local rest=${1#gs://}
+  printf 'gs://%s' "${rest%%/*}"
+}
+
+# 1. The workers' own service account: what a VM (its worker and startup.sh) may do is what
+#    this account is granted below, and nothing else.
+account=${SERVICE_ACCOUNT:-renderfarm-worker@$PROJECT.iam.gserviceaccount.com}
+[[ $account == *@*.iam.gserviceaccount.com ]] ||
+  die "SERVICE_ACCOUNT must be a user-managed account NAME@PROJECT.iam.gserviceaccount.com, not '$account'"
+if [[ $dry_run == 1 ]] || ! gcloud iam service-accounts describe "$account" --project="$PROJECT" >/dev/null 2>&1; then
+  run gcloud iam service-accounts create "${account%%@*}" --project="$PROJECT" \
+    --display-name="renderfarm TPU workers" --description="renderfarm workers: objects of their buckets only"
+fi
+member="serviceAccount:$account"
+
+# 2. Its grants, each on one resource (never on the project): objects of the output bucket...
+out_bucket=$(bucket_of "$OUT")
+grant gcloud storage buckets add-iam-policy-binding "$out_bucket" --member="$member" --role=roles/storage.objectUser
+# ...read on each bucket it fetches from (the output bucket's objectUser covers that one)...
+granted=" $out_bucket "
+for source in "$MODEL" "$PACKAGE" "${CONSTRAINTS:-}"; do
+  [[ $source == gs://?* ]] || continue
+  bucket=$(bucket_of "$source")
+  [[ $granted == *" $bucket "* ]] && continue
+  granted+="$bucket "
+  grant gcloud storage buckets add-iam-policy-binding "$bucket" --member="$member" --role=roles/storage.objectViewer
+done
+# ...and the broker URL's secret, when there is one.
+scopes=https://www.googleapis.com/auth/devstorage.read_write
+if [[ -n ${BROKER_SECRET:-} ]]; then
+  grant gcloud secrets add-iam-policy-binding "$BROKER_SECRET" --project="$PROJECT" --member="$member" \
+    --role=roles/secretmanager.secretAccessor
+  scopes+=,https://www.googleapis.com/auth/cloud-platform
+fi
+
+# 3. The VMs, as that account.
+flags=(--zone="$ZONE" --project="$PROJECT" --accelerator-type="$accelerator" --version="$runtime"
   --metadata="$metadata"
   --metadata-from-file="startup-script=$here/startup.sh,renderfarm-worker-unit=$here/renderfarm-worker.service"
-  --scopes=https://www.googleapis.com/auth/cloud-platform
+  --service-account="$account" --scopes="$scopes"
   --labels="app=renderfarm,generation=$GENERATION")
-[[ -n ${PROJECT:-} ]] && flags+=(--project="$PROJECT")
-[[ -n ${SERVICE_ACCOUNT:-} ]] && flags+=(--service-account="$SERVICE_ACCOUNT")
 [[ ${SPOT:-0} == 1 ]] && flags+=(--spot)
 [[ ${INTERNAL_IPS:-0} == 1 ]] && flags+=(--internal-ips)
 
 for i in $(seq 1 "$COUNT"); do
-  cmd=(gcloud compute tpus tpu-vm create "$NAME_PREFIX-$GENERATION-$i" "${flags[@]}")
-  if [[ ${DRY_RUN:-0} == 1 ]]; then
-    printf '%q ' "${cmd[@]}"
-    echo
-  else
-    "${cmd[@]}"
-  fi
+  run gcloud compute tpus tpu-vm create "$NAME_PREFIX-$GENERATION-$i" "${flags[@]}"
 done

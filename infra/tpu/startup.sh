@@ -123,7 +123,7 @@ trap 'rm -f "$tmp"' EXIT
   env_line RENDERFARM_OUT "$out"
   env_line RENDERFARM_PER_DEVICE_BATCH "$(meta renderfarm-per-device-batch 1)"
   env_line RENDERFARM_MAX_WAIT "$(meta renderfarm-max-wait 2)"
-  env_line RENDERFARM_VISIBILITY_TIMEOUT "$(meta renderfarm-visibility-timeout 3600)"
+  env_line RENDERFARM_VISIBILITY_TIMEOUT "$(meta renderfarm-visibility-timeout 300)"
   env_line RENDERFARM_WORKER_ARGS "$(meta renderfarm-worker-args "")"
   env_line RENDERFARM_COMPILE_CACHE "$CACHE/jax"
   env_line RENDERFARM_MODEL_CACHE "$CACHE/models"

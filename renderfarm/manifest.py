@@ -1,0 +1,281 @@
+"""A campaign's manifest: one JSON line per finished job, exactly once, whatever happens.
+
+A worker writes a batch's lines after its PNGs and sidecars are stored and before its jobs
+are acknowledged. It can die, or lose Redis, between the write and the acknowledgement;
+the jobs then come back, their sidecars are found, and their lines must not be written
+again. So writes are idempotent by job id, on each backend in the way it can afford:
+
+- A local folder: `CAMPAIGN/manifest.jsonl`, appended under an exclusive flock. Under the
+  lock a writer first reads what others appended since it last looked (from its own
+  offset, so no write re-reads the file) and appends only the lines of jobs not there yet.
+- GCS: an object cannot be appended to; rewriting it per batch moves bytes that grow with
+  the campaign, and GCS takes about one write a second per object. So the manifest is a
+  folder of parts, `CAMPAIGN/manifest/TIME-WRITER-SEQ.jsonl`, one per stored batch, each
+  created once (`if_generation_match=0`) and never rewritten; names sort by time and
+  readers list them in that order. A batch's sidecars name its part before the part is
+  written (`manifest_part`), so a job found stored when it comes back gets a line only if
+  that part does not exist or does not hold it.
+
+Readers (exports, galleries) take the lines in order and can continue from a cursor, so a
+gallery refresh reads only what is new. `Records` parses them, one record per job id.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import fcntl
+import itertools
+import json
+import logging
+import os
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from renderfarm.jobs import JobError, check_campaign
+from renderfarm.storage import MANIFEST_BASENAME, GCSStorage, LocalStorage, Storage, validate_job_id
+
+log = logging.getLogger(__name__)
+
+PARTS = "manifest"  # the GCS manifest's folder in a campaign
+PART_RE = re.compile(r"(\d{20})-[A-Za-z0-9.-]{1,64}-\d{8}\.jsonl")  # TIME-WRITER-SEQ.jsonl
+# Parts are listed from this long before the newest one seen, so a part written by a host
+# whose clock runs behind (or an upload still in flight) is not missed by a reader.
+CLOCK_MARGIN_NS = 10 * 60 * 10**9
+FETCH_THREADS = 8
+
+
+@dataclasses.dataclass
+class Cursor:
+    """Where a reader stopped: a byte offset (file) or the parts it has read (GCS)."""
+
+    offset: int = 0
+    parts: set[str] = dataclasses.field(default_factory=set)
+    newest: str = ""
+
+
+def job_id_of(line: bytes | str) -> str | None:
+    """The job id of a manifest line, None for a line that is not a job record."""
+    try:
+        return validate_job_id(json.loads(line)["job_id"])
+    except (ValueError, KeyError, TypeError, RecursionError):
+        return None
+
+
+def _lines(data: bytes) -> list[bytes]:
+    return [line for line in data.split(b"\n") if line.strip()]
+
+
+class Manifest(abc.ABC):
+    """Writes and reads the manifests of one storage root."""
+
+    @abc.abstractmethod
+    def new_part(self, campaign: str) -> str:
+        """Where the lines of a batch about to be stored go (named in its sidecars)."""
+
+    @abc.abstractmethod
+    def append(self, campaign: str, part: str, entries: list[tuple[str, str]]) -> None:
+        """Write (job id, line) entries to `part`; a job id already written is skipped."""
+
+    @abc.abstractmethod
+    def holds(self, campaign: str, part: str, job_id: str) -> bool:
+        """Whether `part` has the line of `job_id` (the part a stored sidecar names)."""
+
+    @abc.abstractmethod
+    def read(self, campaign: str, cursor: Cursor | None = None) -> tuple[list[bytes], Cursor]:
+        """The lines written since `cursor` (all of them without one), in order, and the
+        cursor to continue from. FileNotFoundError if the campaign has no manifest."""
+
+
+def open_manifest(storage: Storage) -> Manifest:
+    """The manifest of a storage root (one object per root: it caches what it has read)."""
+    if isinstance(storage, GCSStorage):
+        return PartsManifest(storage)
+    if isinstance(storage, LocalStorage):
+        return FileManifest(storage)
+    raise TypeError(f"no manifest for {type(storage).__name__}")
+
+
+class FileManifest(Manifest):
+    """`CAMPAIGN/manifest.jsonl` on a local disk, idempotent under an exclusive flock."""
+
+    def __init__(self, storage: LocalStorage) -> None:
+        self.storage = storage
+        self._lock = threading.Lock()  # flock is per process; this orders our own threads
+        self._seen: dict[str, tuple[int, set[str]]] = {}  # campaign -> (offset read, job ids)
+
+    def new_part(self, campaign: str) -> str:
+        return MANIFEST_BASENAME
+
+    def _catch_up(self, campaign: str, fd: int) -> set[str]:
+        """The job ids in the file, reading only what was appended since the last look."""
+        offset, ids = self._seen.get(campaign, (0, set()))
+        size = os.fstat(fd).st_size
+        if size < offset:  # the file was replaced: read it again
+            offset, ids = 0, set()
+        data = os.pread(fd, size - offset, offset)
+        whole = data.rfind(b"\n") + 1  # a torn last line (a writer died) is not a record yet
+        ids.update(filter(None, map(job_id_of, _lines(data[:whole]))))
+        self._seen[campaign] = (offset + whole, ids)
+        return ids
+
+    def append(self, campaign: str, part: str, entries: list[tuple[str, str]]) -> None:
+        data = _encode(entries)
+        if not data:
+            return
+        path = self.storage.path(f"{check_campaign(campaign)}/{MANIFEST_BASENAME}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                ids = self._catch_up(campaign, fd)
+                fresh = [(job_id, line) for job_id, line in dict(entries).items() if job_id not in ids]
+                if not fresh:
+                    return
+                payload = _encode(fresh)
+                size = os.fstat(fd).st_size
+                if size and os.pread(fd, 1, size - 1) != b"\n":
+                    payload = b"\n" + payload  # end the torn line of a writer that died
+                os.write(fd, payload)
+                if self.storage.durable:
+                    os.fsync(fd)
+                ids.update(job_id for job_id, _ in fresh)
+                self._seen[campaign] = (size + len(payload), ids)
+            finally:
+                os.close(fd)  # releases the flock
+
+    def holds(self, campaign: str, part: str, job_id: str) -> bool:
+        path = self.storage.path(f"{check_campaign(campaign)}/{MANIFEST_BASENAME}")
+        with self._lock:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                return False
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                return job_id in self._catch_up(campaign, fd)
+            finally:
+                os.close(fd)
+
+    def read(self, campaign: str, cursor: Cursor | None = None) -> tuple[list[bytes], Cursor]:
+        cursor = cursor or Cursor()
+        path = self.storage.path(f"{check_campaign(campaign)}/{MANIFEST_BASENAME}")
+        with open(path, "rb") as file:  # FileNotFoundError when there is none
+            file.seek(cursor.offset)
+            data = file.read()
+        whole = data.rfind(b"\n") + 1
+        return _lines(data[:whole]), Cursor(offset=cursor.offset + whole)
+
+
+class PartsManifest(Manifest):
+    """`CAMPAIGN/manifest/*.jsonl` on GCS: a part per batch, created once, never rewritten."""
+
+    _writer = re.sub(r"[^A-Za-z0-9.-]", "-", f"{socket.gethostname()}-{os.getpid()}")[:64]
+
+    def __init__(self, storage: GCSStorage) -> None:
+        self.storage = storage
+        self._seq = itertools.count()
+
+    def new_part(self, campaign: str) -> str:
+        return f"{PARTS}/{time.time_ns():020d}-{self._writer}-{next(self._seq):08d}.jsonl"
+
+    def append(self, campaign: str, part: str, entries: list[tuple[str, str]]) -> None:
+        data = _encode(list(dict(entries).items()))
+        if data and not self.storage.create(f"{check_campaign(campaign)}/{part}", data, "application/x-ndjson"):
+            log.info("manifest part %s/%s was written already", campaign, part)
+
+    def holds(self, campaign: str, part: str, job_id: str) -> bool:
+        try:
+            data = self.storage.get(f"{check_campaign(campaign)}/{part}")
+        except FileNotFoundError:
+            return False
+        return job_id in map(job_id_of, _lines(data))
+
+    def read(self, campaign: str, cursor: Cursor | None = None) -> tuple[list[bytes], Cursor]:
+        prefix = f"{check_campaign(campaign)}/{PARTS}/"
+        first = cursor is None
+        cursor = cursor or Cursor()
+        start = None
+        if cursor.newest:
+            start = prefix + f"{max(0, int(cursor.newest[:20]) - CLOCK_MARGIN_NS):020d}"
+        names = [name for name in self.storage.list(prefix, start_offset=start)
+                 if PART_RE.fullmatch(name[len(prefix):]) and name[len(prefix):] not in cursor.parts]
+        with ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="manifest") as pool:
+            parts = list(pool.map(self.storage.get, names))
+        legacy = self._legacy(campaign) if first else b""
+        if first and not names and not legacy:
+            raise FileNotFoundError(self.storage.url(prefix.rstrip("/")))
+        seen = {name[len(prefix):] for name in names} | cursor.parts
+        newest = max(seen, default="")
+        horizon = int(newest[:20]) - CLOCK_MARGIN_NS if newest else 0
+        kept = {name for name in seen if int(name[:20]) >= horizon}  # older ones are never listed again
+        return _lines(legacy) + [line for data in parts for line in _lines(data)], \
+            Cursor(parts=kept, newest=newest)
+
+    def _legacy(self, campaign: str) -> bytes:
+        """A `manifest.jsonl` object written before manifests became parts on GCS."""
+        try:
+            return self.storage.get(f"{campaign}/{MANIFEST_BASENAME}")
+        except FileNotFoundError:
+            return b""
+
+
+def _encode(entries: list[tuple[str, str]]) -> bytes:
+    """JSONL bytes; a line holding a newline would split one record into two."""
+    for _, line in entries:
+        if "\n" in line or "\r" in line:
+            raise ValueError(f"a manifest line must not contain newlines: {line[:80]!r}")
+    return "".join(line + "\n" for _, line in entries).encode("utf-8")
+
+
+def no_such_campaign(storage: Storage, campaign: str) -> JobError:
+    return JobError("campaign", campaign, f"no such campaign: {storage.url(campaign)}/ has no manifest "
+                                          f"(no finished jobs under {storage.describe()})")
+
+
+class Records:
+    """A campaign's records from its manifest lines: each job id once (the first line
+    wins), and lines that are not a job record skipped with a warning and counted, so one
+    bad line never hides the good ones."""
+
+    def __init__(self, lines: Iterable[bytes], where: str) -> None:
+        self._lines, self.where = list(lines), where
+        self.duplicates = 0
+        self.bad_lines: list[int] = []
+
+    @property
+    def lines(self) -> int:
+        return len(self._lines)
+
+    @classmethod
+    def open(cls, storage: Storage, campaign: str, manifest: Manifest | None = None) -> Records:
+        """Every record of a campaign; a clear error naming it if it has no manifest."""
+        check_campaign(campaign)
+        try:
+            lines, _ = (manifest or open_manifest(storage)).read(campaign)
+        except FileNotFoundError:
+            raise no_such_campaign(storage, campaign) from None
+        return cls(lines, f"{storage.url(campaign)} manifest")
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        seen: set[str] = set()
+        self.duplicates, self.bad_lines = 0, []
+        for number, line in enumerate(self._lines, 1):
+            try:
+                record = json.loads(line)
+                job_id = validate_job_id(record["job_id"])
+            except (ValueError, KeyError, TypeError, RecursionError) as err:
+                log.warning("%s line %d skipped: %s", self.where, number, err)
+                self.bad_lines.append(number)
+                continue
+            if job_id in seen:
+                self.duplicates += 1
+                continue
+            seen.add(job_id)
+            yield record

@@ -1,0 +1,462 @@
+"""A worker nothing can knock over: hostile messages, faults at chosen points, store failures,
+a drain under load, new shapes compiling while messages are held.
+
+Real parts throughout: redis-server, `renderfarm worker` processes, the google-cloud-storage
+client against the emulator. Each fault strikes where the test decides, through a proxy in
+front of the emulator or of Redis (tests/fault_proxies.py), so no assertion depends on how
+fast the worker happens to be.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+import re
+import shutil
+import signal
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.result import AsyncResult
+
+from renderfarm import deadletters
+from renderfarm.jobs import JobSpec
+from renderfarm.progress import Progress
+from renderfarm.queue import TASK_NAME, job_message, priority_list, priority_lists, queue_name, redis_priority
+from renderfarm.storage import Storage, image_name, open_storage, sidecar_name
+from tests.conftest import STEPS
+from tests.fault_proxies import GcsProxy, Rule, TcpProxy
+from tests.farm import WorkerProcess, enqueue, farm_app, manifest_ids, wait_for
+from tests.gcs_emulator import GcsEmulator
+from tests.redis_server import RedisServer
+
+REDIS_APPENDONLY = True  # tests/conftest.py
+BUCKET = "faults"
+OUT = f"gs://{BUCKET}/out"
+ENV = {"RENDERFARM_VISIBILITY_TIMEOUT": "5", "RENDERFARM_RESTORE_INTERVAL": "1", "RENDERFARM_MAX_ATTEMPTS": "2"}
+
+
+@pytest.fixture(scope="module")
+def proxy(gcs_server: GcsEmulator) -> Iterator[GcsProxy]:
+    gcs_server.create_bucket(BUCKET)
+    gcs = GcsProxy(gcs_server.url)
+    yield gcs
+    gcs.close()
+
+
+@pytest.fixture()
+def farm(redis_server: RedisServer, proxy: GcsProxy, gcs: GcsEmulator, tiny_sd: Path,
+         tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
+    """Start workers for a copy of the tiny model (its own queue, so each test sees only its
+    own jobs) that store through the proxy; all are stopped after the test."""
+    redis_server.client().flushall()
+    started: list[WorkerProcess] = []
+
+    def start(model: Path, name: str, broker: str | None = None, env: dict[str, str] | None = None,
+              extra: tuple[str, ...] = (), ready: bool = True) -> WorkerProcess:
+        worker = WorkerProcess(model, OUT, broker or redis_server.url, name, tmp_path,
+                               {**ENV, "STORAGE_EMULATOR_HOST": proxy.url, **(env or {})}, extra=extra)
+        started.append(worker)
+        if ready:
+            worker.wait_ready(farm_app(redis_server.url))
+        return worker
+
+    yield start
+    for worker in started:
+        worker.stop()
+    for rule in list(proxy.rules):
+        proxy.remove(rule)
+
+
+def model_copy(tiny_sd: Path, tmp_path: Path, name: str) -> Path:
+    model = tmp_path / name
+    shutil.copytree(tiny_sd, model)
+    return model
+
+
+def jobs(model: Path, campaign: str, n: int, seed: int = 0, **fields: Any) -> list[JobSpec]:
+    return [JobSpec(**{"prompt": f"{campaign} lighthouse {i}", "model": str(model), "seed": seed + i,
+                       "steps": STEPS, "campaign": campaign, "guidance_scale": 2.0 + i % 4, **fields})
+            for i in range(n)]
+
+
+def bucket() -> Storage:
+    return open_storage(OUT)
+
+
+def assert_exactly_once(specs: list[JobSpec]) -> None:
+    """Every job's PNG and sidecar stored, and one manifest line per job."""
+    storage, campaign = bucket(), specs[0].campaign
+    for spec in specs:
+        assert storage.exists(image_name(campaign, spec.job_id)) and storage.exists(sidecar_name(campaign, spec.job_id))
+    assert sorted(manifest_ids(storage, campaign)) == sorted(s.job_id for s in specs)
+
+
+def wait_done(progress: Progress, campaign: str, n: int, timeout: float = 180) -> dict[str, Any]:
+    wait_for(lambda: progress.status(campaign)["done"] + progress.status(campaign)["failed"] >= n,
+             timeout, f"{n} jobs of {campaign}")
+    return progress.status(campaign)
+
+
+def attempts(r: redis.Redis, specs: list[JobSpec]) -> list[int]:
+    return [int(n or 0) for n in r.hmget(f"rf:c:{specs[0].campaign}:attempts", [s.job_id for s in specs])]
+
+
+def queued(r: redis.Redis, model: Path) -> int:
+    return sum(r.llen(name) for name in priority_lists(queue_name(str(model), "float32")))
+
+
+# --------------------------------------------------------------------------- hostile messages
+
+
+def body(args: Any, kwargs: Any, embed: Any) -> str:
+    return base64.b64encode(json.dumps([args, kwargs, embed]).encode()).decode()
+
+
+def with_body(text: bytes) -> Callable[[dict], None]:
+    def mutate(m: dict) -> None:
+        m["body"] = base64.b64encode(text).decode()
+    return mutate
+
+
+def job_field(**fields: Any) -> Callable[[dict], None]:
+    """Change job fields inside the message's body (the JSON encoder writes NaN and huge
+    integers as JSON allows Python to read them)."""
+    def mutate(m: dict) -> None:
+        args, kwargs, embed = json.loads(base64.b64decode(m["body"]))
+        kwargs.update(fields)
+        m["body"] = body(args, kwargs, embed)
+    return mutate
+
+
+def setter(*path: str, value: Any = None, delete: bool = False) -> Callable[[dict], None]:
+    def mutate(m: dict) -> None:
+        target = m
+        for key in path[:-1]:
+            target = target[key]
+        if delete:
+            del target[path[-1]]
+        else:
+            target[path[-1]] = value
+    return mutate
+
+
+def raw(text: bytes) -> bytes:
+    return text
+
+
+# kind -> (mutation of a real message, or raw bytes; what the dead letter's reason says)
+ENVELOPE: dict[str, tuple[Callable[[dict], None] | bytes, str]] = {
+    "body-not-base64": (setter("body", value="!!! not base64 !!!"), "body='!!! not base64 !!!': must be base64"),
+    "body-encoding-unknown": (setter("properties", "body_encoding", value="rot13"), "properties.body_encoding='rot13'"),
+    "body-encoding-missing": (setter("properties", "body_encoding", delete=True), "properties.body_encoding=None"),
+    "task-id-list": (setter("headers", "id", value=["a", "b"]), "headers.id=['a', 'b']"),
+    "task-id-int": (setter("headers", "id", value=7), "headers.id=7"),
+    "task-id-missing": (setter("headers", "id", delete=True), "headers.id=None"),
+    "task-id-surrogate": (setter("headers", "id", value="\ud800"), "headers.id='\\ud800': must be valid Unicode"),
+    "headers-not-object": (setter("headers", value="x"), "headers='x': must be a JSON object"),
+    "task-other": (setter("headers", "task", value="celery.backend_cleanup"), "headers.task='celery.backend_cleanup'"),
+    "task-missing": (setter("headers", "task", delete=True), "headers.task=None"),
+    "pickle": (setter("content-type", value="application/x-python-serialize"),
+               "content-type='application/x-python-serialize'"),
+    "content-encoding-binary": (setter("content-encoding", value="binary"), "content-encoding='binary'"),
+    "body-bad-json": (with_body(b"{not json"), "body='{not json': must be valid JSON"),
+    "body-object": (with_body(b'{"a": 1}'), "body={'a': 1}: must be Celery's [args, kwargs, embed]"),
+    "body-two-items": (with_body(b"[[], {}]"), "body=[[], {}]: must be Celery's [args, kwargs, embed]"),
+    "kwargs-list": (with_body(b"[[], [1], {}]"), "body.kwargs=[1]: must be a JSON object"),
+    "callbacks": (with_body(b'[[], {}, {"callbacks": [{"task": "os.system"}]}]'), "body.embed.callbacks"),
+    "body-not-utf8": (with_body(b"\xff\xfe\xfd"), "must be UTF-8"),
+    "body-huge-int": (with_body(b'[[], {"seed": ' + b"9" * 5000 + b"}, {}]"), "must be valid JSON (ValueError"),
+    "properties-missing": (setter("properties", delete=True), "properties=None: must be a JSON object"),
+    "delivery-tag-int": (setter("properties", "delivery_tag", value=12), "properties.delivery_tag=12"),
+    "delivery-info-missing": (setter("properties", "delivery_info", delete=True), "properties.delivery_info=None"),
+    "priority-text": (setter("properties", "priority", value="high"), "properties.priority='high'"),
+    "eta": (setter("headers", "eta", value="2999-01-01T00:00:00"), "headers.eta='2999-01-01T00:00:00'"),
+    "retries-text": (setter("headers", "retries", value="many"), "headers.retries='many'"),
+    "retries-huge": (setter("headers", "retries", value=10**400), "headers.retries=<integer of"),
+    "timelimit-three": (setter("headers", "timelimit", value=[1, 2, 3]), "headers.timelimit=[1, 2, 3]"),
+    "kwargsrepr-object": (setter("headers", "kwargsrepr", value={"x": 1}), "headers.kwargsrepr={'x': 1}"),
+    "not-json": (b"\x00\x01 garbage", "message=b'\\x00\\x01 garbage': must be valid JSON"),
+    "json-list": (b"[1, 2, 3]", "message=[1, 2, 3]: must be a JSON object"),
+    "nested": (b"[" * 100_000 + b"]" * 100_000, "must be valid JSON (RecursionError"),
+    "two-megabytes": (b"x" * (2 << 20), "must be at most 1048576 bytes"),
+}
+JOB = {
+    "guidance-400-digits": (job_field(guidance_scale=10**400), "guidance_scale=<integer of 1329 bits>: must be finite"),
+    "guidance-nan": (job_field(guidance_scale=float("nan")), "guidance_scale=nan: must be finite"),
+    "guidance-text": (job_field(guidance_scale="7.5"), "guidance_scale='7.5': must be a number"),
+    "seed-negative": (job_field(seed=-1), "seed=-1: must be in 0..4294967295"),
+    "seed-float": (job_field(seed=1.5), "seed=1.5: must be an integer"),
+    "steps-bool": (job_field(steps=True), "steps=True: must be an integer"),
+    "prompt-surrogate": (job_field(prompt="a \ud800 fox"), "must be valid Unicode (lone surrogate at 2)"),
+    "negative-surrogate": (job_field(negative_prompt="\udfff"), "negative_prompt='\\udfff': must be valid Unicode"),
+    "prompt-nested": (job_field(prompt=[[[[["deep"]]]]]), "prompt=[[[...]]]: must be a string"),
+    "prompt-long": (job_field(prompt="x" * 200_000), "must be at most 10000 characters"),
+    "campaign-path": (job_field(campaign="../etc"), "campaign='../etc': must match"),
+    "unknown-field": (job_field(colour="red"), "colour='red': unknown field"),
+    "other-model": (job_field(model="someone/else"), "model='someone/else': this engine serves"),
+    "width-odd": (job_field(width=100), "width=100: must be a multiple of 16"),
+    "scheduler-unknown": (job_field(scheduler="heun"), "scheduler='heun': must be one of"),
+    "positional": (lambda m: m.update(body=body(["a fox"], {}, {})), "args=['a fox']: a job has keyword fields only"),
+}
+
+
+def real_message(app: Celery, r: redis.Redis, spec: JobSpec) -> dict[str, Any]:
+    """A message as a producer sends it, read back from Redis."""
+    queue = queue_name(spec.model, spec.dtype)
+    app.send_task(TASK_NAME, **job_message(spec))
+    item = r.rpop(priority_list(queue, redis_priority(spec.priority)))
+    return json.loads(item)
+
+
+def hostile(template: dict[str, Any], mutation: Callable[[dict], None] | bytes, kind: str) -> bytes:
+    if isinstance(mutation, bytes):
+        return mutation
+    message = copy.deepcopy(template)
+    message["properties"]["delivery_tag"] = str(uuid.uuid4())
+    message["headers"]["id"] = kind
+    mutation(message)
+    return json.dumps(message).encode()
+
+
+def test_hostile_messages_are_dead_lettered_with_reasons_and_every_good_job_lands(
+        farm: Callable[..., WorkerProcess], tiny_sd: Path, tmp_path: Path, redis_server: RedisServer) -> None:
+    model = model_copy(tiny_sd, tmp_path, "hostile")
+    r, app, progress = redis_server.client(), farm_app(redis_server.url), Progress(redis_server.client())
+    queue = queue_name(str(model), "float32")
+    template = real_message(app, r, jobs(model, "hostile-bad", 1, seed=10_000)[0])
+    good = jobs(model, "hostile", 16)
+    kinds = {**ENVELOPE, **JOB}
+    assert len(kinds) >= 30
+    target = priority_list(queue, redis_priority(None))
+    for i, (kind, (mutation, _)) in enumerate(kinds.items()):
+        r.lpush(target, hostile(template, mutation, kind))
+        if i % 3 == 0 and good:
+            enqueue(app, progress, [good.pop()])
+    enqueue(app, progress, good)
+    good = jobs(model, "hostile", 16)
+    worker = farm(model, "hostile")
+    pid = worker.proc.pid
+    letters = deadletters.DeadLetters(r)
+    wait_for(lambda: letters.counts().get(queue, {}).get("total", 0) >= len(kinds), 120, "every hostile message")
+    status = wait_done(progress, "hostile", 16)
+    assert (status["done"], status["failed"]) == (16, 0)
+    assert_exactly_once(good)
+    assert worker.proc.poll() is None and worker.proc.pid == pid
+    assert "Traceback" not in worker.log.read_text()
+
+    entries = letters.entries(queue, limit=1000)
+    assert letters.counts()[queue] == {"total": len(kinds), "kept": len(kinds)}
+    reasons = [entry["reason"] for entry in entries]
+    for kind, (_, expected) in kinds.items():
+        matching = [reason for reason in reasons if expected in reason]
+        assert len(matching) == 1, (kind, expected, reasons)
+    assert sum(reason.startswith("message rejected: ") for reason in reasons) == len(ENVELOPE)
+    assert sum(reason.startswith("invalid job: ") for reason in reasons) == len(JOB)
+    for kind, (_, expected) in JOB.items():  # a job's failure is its result too (Flower shows it)
+        result = AsyncResult(kind, app=app)
+        wait_for(lambda res=result: res.state == "FAILURE", 30, f"{kind} to fail")
+        assert expected in str(result.result), (kind, result.result)
+    assert r.hlen("unacked") == 0 and queued(r, model) == 0
+
+
+def test_dead_letters_can_be_listed_requeued_and_purged(redis_server: RedisServer, tiny_sd: Path,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    from renderfarm.cli import main
+
+    r = redis_server.client()
+    r.flushall()
+    app = farm_app(redis_server.url)
+    spec = jobs(tiny_sd, "dl", 1)[0]
+    message = real_message(app, r, spec)
+    queue = queue_name(spec.model, "float32")
+    pipe = r.pipeline()
+    deadletters.add(pipe, queue, "invalid job: steps=0: must be in 1..500", json.dumps(message).encode(), spec.job_id)
+    deadletters.add(pipe, queue, "message rejected: too big", b"x" * (deadletters.MAX_MESSAGE_BYTES + 1))
+    pipe.execute()
+    broker = ["--broker", redis_server.url]
+    assert main(["deadletters", *broker]) == 0
+    out = capsys.readouterr().out
+    assert f"{queue}: 2 dead letters (2 kept)" in out and "steps=0: must be in 1..500" in out
+    assert main(["deadletters", *broker, "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [e["job_id"] for e in listed[queue]["entries"]] == [None, spec.job_id]
+    assert main(["deadletters", *broker, "--requeue", "--queue", queue]) == 0
+    assert "requeued 1, dropped 1 cut message" in capsys.readouterr().out
+    assert json.loads(r.rpop(priority_list(queue, redis_priority(None)))) == message
+    pipe = r.pipeline()
+    deadletters.add(pipe, queue, "message rejected: x", b"{}")
+    pipe.execute()
+    assert main(["deadletters", *broker, "--purge", "--queue", queue]) == 0
+    assert deadletters.DeadLetters(r).counts() == {}
+
+
+# --------------------------------------------------------------------------- exactly once
+
+
+@pytest.mark.parametrize("point", ["after-manifest", "before-manifest"])
+def test_killed_between_store_and_ack_every_job_lands_once(
+        point: str, farm: Callable[..., WorkerProcess], proxy: GcsProxy, tiny_sd: Path, tmp_path: Path,
+        redis_server: RedisServer) -> None:
+    """The worker is stopped at the chosen point of its first batch: its PNGs and sidecars
+    stored and either its manifest part written ("after-manifest": Redis is paused as the
+    part's write returns, so the acks cannot go out) or not ("before-manifest": the part's
+    write is held). Then SIGKILL. The jobs come back, are found stored, and each gets one
+    manifest line."""
+    model = model_copy(tiny_sd, tmp_path, f"kill-{point}")
+    r, progress = redis_server.client(), Progress(redis_server.client())
+    campaign = f"kill-{point}"
+    redis_proxy = TcpProxy(redis_server.port)
+    reached = Rule(rf"^out/{campaign}/manifest/", times=1)
+    if point == "after-manifest":
+        reached.after = lambda seen: (redis_proxy.pause(), reached.held.set())
+    else:
+        reached.hold = True
+    proxy.add(reached)
+    try:
+        victim = farm(model, "victim", broker=redis_proxy.url())
+        specs = enqueue(farm_app(redis_server.url), progress, jobs(model, campaign, 16))
+        assert reached.held.wait(120), "the worker never reached its first manifest write"
+        part = reached.hits[0].name.removeprefix(f"out/{campaign}/")
+        sidecars = [bucket().get(sidecar_name(campaign, s.job_id)) if bucket().exists(sidecar_name(campaign, s.job_id))
+                    else b"{}" for s in specs]
+        first = [s for s, sidecar in zip(specs, sidecars) if json.loads(sidecar).get("manifest_part") == part]
+        assert len(first) == 8  # the first batch is stored, ...
+        assert progress.status(campaign)["done"] == 0  # ... and none of it acknowledged
+        victim.kill()
+        if point == "before-manifest":
+            reached.status = 503  # the held write of the dead worker is never forwarded
+        redis_proxy.drop_all()
+        redis_proxy.resume()
+        proxy.remove(reached)
+        farm(model, "rescuer")
+        status = wait_done(progress, campaign, 16)
+    finally:
+        redis_proxy.close()
+    assert (status["done"], status["failed"]) == (16, 0)
+    assert_exactly_once(specs)
+    assert attempts(r, first) == [2] * 8  # they did come back: the fault struck between store and ack
+
+
+def test_store_failures_are_requeued_never_leaked_and_jobs_are_told_apart_by_campaign(
+        farm: Callable[..., WorkerProcess], proxy: GcsProxy, tiny_sd: Path, tmp_path: Path,
+        redis_server: RedisServer) -> None:
+    model = model_copy(tiny_sd, tmp_path, "leak")
+    r, app, progress = redis_server.client(), farm_app(redis_server.url), Progress(redis_server.client())
+    # The same spec in two campaigns in one batch; the first campaign's first upload fails.
+    twin = jobs(model, "twin-a", 1, seed=77)[0]
+    twins = [twin, JobSpec(**{**twin.to_dict(), "campaign": "twin-b"})]
+    fillers = jobs(model, "twin-b", 6, seed=200)
+    failing_png = proxy.add(Rule(r"^out/twin-a/", status=403, times=1))
+    # Two batches whose manifest parts cannot be written at first (403: not retried).
+    failing_manifest = proxy.add(Rule(r"^out/leak/manifest/", status=403, times=2))
+    enqueue(app, progress, twins + fillers)
+    leak = enqueue(app, progress, jobs(model, "leak", 16, seed=300))
+    farm(model, "leaky")
+    for campaign, n in (("twin-a", 1), ("twin-b", 7), ("leak", 16)):
+        status = wait_done(progress, campaign, n)
+        assert (status["done"], status["failed"]) == (n, 0), campaign
+    assert failing_png.matched == 1 and failing_manifest.matched == 2
+    assert_exactly_once([twins[0]])
+    assert_exactly_once([twins[1], *fillers])
+    assert_exactly_once(leak)
+    assert attempts(r, [twins[1]]) == [1] and attempts(r, [twins[0]]) == [1]  # storage failures do not count
+    wait_for(lambda: r.hlen("unacked") == 0, 30, "every message settled")  # none held forever
+
+
+# --------------------------------------------------------------------------- drain
+
+
+@pytest.mark.parametrize("release_after", [None, 1.0])
+def test_sigterm_under_load_stores_what_it_can_and_requeues_the_rest_at_once(
+        release_after: float | None, farm: Callable[..., WorkerProcess], proxy: GcsProxy, tiny_sd: Path,
+        tmp_path: Path, redis_server: RedisServer) -> None:
+    """A worker with batches rendered and one being stored (its uploads held) is told to
+    stop. Within --drain-seconds it stores what it can (everything, if the uploads are let
+    go in time) and puts every other job back on the queue at once, far inside the
+    visibility timeout; a second worker finishes the rest, each job stored once."""
+    model = model_copy(tiny_sd, tmp_path, f"drain-{release_after}")
+    r, progress = redis_server.client(), Progress(redis_server.client())
+    campaign = f"drain-{'release' if release_after else 'hold'}"
+    held = proxy.add(Rule(rf"^out/{campaign}/", hold=True))
+    worker = farm(model, "drained", env={"RENDERFARM_VISIBILITY_TIMEOUT": "3600"}, extra=("--drain-seconds", "4"))
+    specs = enqueue(farm_app(redis_server.url), progress, jobs(model, campaign, 40))
+    assert held.held.wait(120)
+    wait_for(lambda: progress.status(campaign)["running"] >= 16, 60, "two batches taken")
+    started = time.monotonic()
+    worker.proc.send_signal(signal.SIGTERM)
+    if release_after:
+        time.sleep(release_after)
+        held.release()
+    worker.proc.wait(30)
+    drain_seconds = time.monotonic() - started
+    done = progress.status(campaign)["done"]
+    assert drain_seconds < 4 + 5  # the drain deadline, and the process's own exit
+    assert r.hlen("unacked") == 0  # nothing left for the visibility timeout to restore
+    assert queued(r, model) + done == 40
+    if release_after:
+        assert done >= 8  # the batch being stored was finished and acknowledged
+    else:
+        assert done == 0
+    proxy.remove(held)
+    stored_by_drained = [s for s in specs if bucket().exists(sidecar_name(campaign, s.job_id))]
+    farm(model, "rescuer")
+    status = wait_done(progress, campaign, 40)
+    assert (status["done"], status["failed"]) == (40, 0)
+    assert_exactly_once(specs)
+    if release_after:
+        assert set(attempts(r, stored_by_drained)) == {1}  # not rendered again
+    print(f"drain under load: exited {drain_seconds:.2f}s after SIGTERM, {done} of 40 stored "
+          f"(uploads {'let go after 1 s' if release_after else 'held throughout'})")
+
+
+# --------------------------------------------------------------------------- compiling
+
+
+def test_a_new_shape_compiles_without_the_held_messages_being_redelivered(
+        farm: Callable[..., WorkerProcess], tiny_sd: Path, tmp_path: Path, redis_server: RedisServer) -> None:
+    model = model_copy(tiny_sd, tmp_path, "compile")
+    r, progress = redis_server.client(), Progress(redis_server.client())
+    worker = farm(model, "compiler", env={"RENDERFARM_VISIBILITY_TIMEOUT": "1"})
+    shape = {"width": 128, "height": 64, "steps": 5}  # compiled by no other test
+    specs = enqueue(farm_app(redis_server.url), progress, jobs(model, "compile", 16, **shape))
+    status = wait_done(progress, "compile", 16)
+    assert (status["done"], status["failed"]) == (16, 0)
+    seconds = [float(s) for s in re.findall(r"compiled in ([\d.]+)s", worker.log.read_text())]
+    assert seconds and max(seconds) > 1  # longer than the visibility timeout: a real test
+    assert attempts(r, specs) == [1] * 16  # held all along, never delivered again
+    assert_exactly_once(specs)
+
+
+# --------------------------------------------------------------------------- killed mid-batch
+
+
+def test_workers_killed_mid_batch_lose_nothing(farm: Callable[..., WorkerProcess], proxy: GcsProxy,
+                                                tiny_sd: Path, tmp_path: Path, redis_server: RedisServer) -> None:
+    """Two workers killed while their first batch is being stored (its uploads held), the
+    second one on jobs restored from the first; a third finishes, each job once."""
+    model = model_copy(tiny_sd, tmp_path, "killed")
+    r, progress = redis_server.client(), Progress(redis_server.client())
+    specs = enqueue(farm_app(redis_server.url), progress, jobs(model, "killed", 24, seed=300))
+    for victim in ("victim", "victim2"):
+        held = proxy.add(Rule(r"^out/killed/", hold=True))
+        worker = farm(model, victim, ready=False)  # soon too busy storing (held) to answer pings
+        assert held.held.wait(120)  # its first batch is being stored
+        if victim == "victim2":  # ... and it is made of jobs restored from the first victim
+            wait_for(lambda: max(attempts(r, specs)) >= 2, 60, "restored jobs taken")
+        worker.kill()
+        held.status = 503  # the dead worker's held uploads are never forwarded
+        proxy.remove(held)
+        assert progress.status("killed")["done"] == 0
+    farm(model, "rescuer")
+    status = wait_done(progress, "killed", 24)
+    assert (status["done"], status["failed"]) == (24, 0)
+    assert_exactly_once(specs)
+    assert max(attempts(r, specs)) >= 2

@@ -1,0 +1,40 @@
+"""Stable Diffusion 1.x and 2.x: one CLIP text encoder, its last hidden state (after the
+final layer norm) as the UNet's context; an empty negative prompt is encoded like any other."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from worker.families import Component, Family, Networks
+from worker.generate import Inputs, Output, Static, decode, denoise
+from worker.nn.clip import CLIPTextConfig, CLIPTextModel
+from worker.nn.unet import UNet2DConditionModel, UNetConfig
+from worker.nn.vae import AutoencoderKL, VAEConfig
+from worker.schedulers import Scheduler
+
+
+def generate(nets: Networks, scheduler: Scheduler, static: Static, params: Any, inputs: Inputs) -> Output:
+    encoder, unet, vae = nets["text_encoder"], nets["unet"], nets["vae"]
+
+    def encode(ids: jax.Array) -> jax.Array:
+        return encoder.apply({"params": params["text_encoder"]}, ids[:, 0]).last_hidden_state
+
+    context = jnp.concatenate([encode(inputs.negative_ids), encode(inputs.prompt_ids)])
+    f = vae.config.scale_factor
+    latents = denoise(unet, params["unet"], scheduler, static,
+                      (unet.config.in_channels, static.height // f, static.width // f), inputs, context, None)
+    return decode(vae, params["vae"], latents)
+
+
+FAMILY = Family(
+    name="sd",
+    pipelines=("StableDiffusionPipeline", "FlaxStableDiffusionPipeline"),
+    components={"text_encoder": Component(CLIPTextModel, CLIPTextConfig, "clip"),
+                "unet": Component(UNet2DConditionModel, UNetConfig, "unet"),
+                "vae": Component(AutoencoderKL, VAEConfig, "vae")},
+    tokenizers=("tokenizer",),
+    generate=generate,
+)

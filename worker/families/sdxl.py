@@ -1,0 +1,57 @@
+"""Stable Diffusion XL: two CLIP text encoders whose penultimate hidden states, side by
+side, are the UNet's context; the second one's projected pooled output and the image size
+(original size, crop, target size: height first) are its added conditions. An empty negative
+prompt is zeros (`force_zeros_for_empty_prompt`, on unless model_index.json says otherwise),
+as diffusers' pipeline does for a negative prompt it is not given."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from worker.families import Component, Family, Networks
+from worker.generate import Inputs, Output, Static, decode, denoise
+from worker.nn.clip import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+from worker.nn.unet import UNet2DConditionModel, UNetConfig
+from worker.nn.vae import AutoencoderKL, VAEConfig
+from worker.schedulers import Scheduler
+
+
+def generate(nets: Networks, scheduler: Scheduler, static: Static, params: Any, inputs: Inputs) -> Output:
+    first, second = nets["text_encoder"], nets["text_encoder_2"]
+    unet, vae = nets["unet"], nets["vae"]
+
+    def encode(ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+        one = first.apply({"params": params["text_encoder"]}, ids[:, 0])
+        two = second.apply({"params": params["text_encoder_2"]}, ids[:, 1])
+        return jnp.concatenate([one.penultimate, two.penultimate], axis=-1), two.text_embeds
+
+    cond, pooled = encode(inputs.prompt_ids)
+    negative, negative_pooled = encode(inputs.negative_ids)
+    if nets.force_zeros_for_empty_prompt:
+        keep = inputs.has_negative
+        negative = jnp.where(keep[:, None, None], negative, 0)
+        negative_pooled = jnp.where(keep[:, None], negative_pooled, 0)
+    size = (static.height, static.width)
+    time_ids = jnp.broadcast_to(jnp.array([*size, 0, 0, *size], jnp.float32), (cond.shape[0], 6))
+    added = {"text_embeds": jnp.concatenate([negative_pooled, pooled]),
+             "time_ids": jnp.concatenate([time_ids, time_ids])}
+    f = vae.config.scale_factor
+    latents = denoise(unet, params["unet"], scheduler, static,
+                      (unet.config.in_channels, static.height // f, static.width // f), inputs,
+                      jnp.concatenate([negative, cond]), added)
+    return decode(vae, params["vae"], latents)
+
+
+FAMILY = Family(
+    name="sdxl",
+    pipelines=("StableDiffusionXLPipeline", "FlaxStableDiffusionXLPipeline"),
+    components={"text_encoder": Component(CLIPTextModel, CLIPTextConfig, "clip"),
+                "text_encoder_2": Component(CLIPTextModelWithProjection, CLIPTextConfig, "clip_projection"),
+                "unet": Component(UNet2DConditionModel, UNetConfig, "unet"),
+                "vae": Component(AutoencoderKL, VAEConfig, "vae")},
+    tokenizers=("tokenizer", "tokenizer_2"),
+    generate=generate,
+)

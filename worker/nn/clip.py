@@ -1,0 +1,186 @@
+"""CLIP text encoders, computing what transformers' PyTorch CLIPTextModel and
+CLIPTextModelWithProjection (5.x) do.
+
+The parameter trees are those of transformers 4.57's `FlaxCLIPTextModel` and
+`FlaxCLIPTextModelWithProjection` (`text_model/...`, `text_projection`). Besides the final
+hidden states, the output carries what the SD pipelines read: `penultimate`, the input of
+the last layer without the final LayerNorm (transformers' `hidden_states[-2]`, which SDXL
+uses), and `pooled`, the final state at the end-of-text token, found as transformers 5
+finds it (see `CLIPTextTransformer`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from worker.nn import read_config, refuse
+from worker.nn.attention import attention
+from worker.nn.unet import Dtype, LayerNorm
+
+ACTIVATIONS = {
+    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),  # OpenAI CLIP (SD 1.x, SDXL's first encoder)
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),  # OpenCLIP (SD 2.x, SDXL's bigG)
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class CLIPTextConfig:
+    """The fields of a CLIPTextConfig config.json that change the computation; defaults are
+    transformers' (5.x)."""
+
+    vocab_size: int = 49408
+    hidden_size: int = 512
+    intermediate_size: int = 2048
+    projection_dim: int = 512
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 8
+    max_position_embeddings: int = 77
+    hidden_act: str = "quick_gelu"
+    layer_norm_eps: float = 1e-5
+    eos_token_id: int = 49407
+    model_type: str = "clip_text_model"
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> CLIPTextConfig:
+        """From a transformers config.json dict (a text encoder's, not a whole CLIPConfig)."""
+        return read_config(cls, d, {})
+
+    def __post_init__(self) -> None:
+        if self.model_type != "clip_text_model":
+            raise refuse("model_type", self.model_type, "only a CLIP text model's config ('clip_text_model')")
+        if self.hidden_act not in ACTIVATIONS:
+            raise refuse("hidden_act", self.hidden_act, f"only {sorted(ACTIVATIONS)} are implemented")
+        if not isinstance(self.eos_token_id, int):
+            raise refuse("eos_token_id", self.eos_token_id, "only a single int is implemented")
+        if self.hidden_size % self.num_attention_heads:
+            raise refuse("num_attention_heads", self.num_attention_heads, f"must divide hidden_size {self.hidden_size}")
+
+
+class CLIPTextOutput(NamedTuple):
+    last_hidden_state: jax.Array  # (B, T, D), after the final LayerNorm
+    penultimate: jax.Array  # (B, T, D): hidden_states[-2], no final LayerNorm
+    pooled: jax.Array  # (B, D): last_hidden_state at the end-of-text token
+    text_embeds: jax.Array | None = None  # (B, P): projection of `pooled` (CLIPTextModelWithProjection)
+
+
+class CLIPAttention(nn.Module):
+    config: CLIPTextConfig
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dense = lambda name: nn.Dense(self.config.hidden_size, dtype=self.dtype, name=name)  # noqa: E731
+        q, k, v = dense("q_proj")(x), dense("k_proj")(x), dense("v_proj")(x)
+        return dense("out_proj")(attention(q, k, v, self.config.num_attention_heads, causal=True))
+
+
+class CLIPMLP(nn.Module):
+    config: CLIPTextConfig
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = nn.Dense(self.config.intermediate_size, dtype=self.dtype, name="fc1")(x)
+        x = ACTIVATIONS[self.config.hidden_act](x)
+        return nn.Dense(self.config.hidden_size, dtype=self.dtype, name="fc2")(x)
+
+
+class CLIPEncoderLayer(nn.Module):
+    config: CLIPTextConfig
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        norm = lambda name: LayerNorm(self.config.layer_norm_eps, self.dtype, name=name)  # noqa: E731
+        x = x + CLIPAttention(self.config, self.dtype, name="self_attn")(norm("layer_norm1")(x))
+        return x + CLIPMLP(self.config, self.dtype, name="mlp")(norm("layer_norm2")(x))
+
+
+class CLIPLayers(nn.Module):
+    """The layers in order, named "0", "1", ...; returns every hidden state, the input first."""
+
+    config: CLIPTextConfig
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> list[jax.Array]:
+        states = [x]
+        for i in range(self.config.num_hidden_layers):
+            states.append(CLIPEncoderLayer(self.config, self.dtype, name=str(i))(states[-1]))
+        return states
+
+
+class CLIPEncoder(nn.Module):
+    """Only a level of names: the checkpoints hold the layers as encoder/layers/<i>."""
+
+    config: CLIPTextConfig
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> list[jax.Array]:
+        return CLIPLayers(self.config, self.dtype, name="layers")(x)
+
+
+class CLIPTextEmbeddings(nn.Module):
+    config: CLIPTextConfig
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, input_ids: jax.Array) -> jax.Array:
+        cfg = self.config
+        tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, name="token_embedding")(input_ids)
+        positions = nn.Embed(cfg.max_position_embeddings, cfg.hidden_size, dtype=self.dtype,
+                             name="position_embedding")(jnp.arange(input_ids.shape[1]))
+        return tokens + positions[None]
+
+
+class CLIPTextTransformer(nn.Module):
+    """Embeddings, causal encoder layers, final LayerNorm, pooling at the end-of-text token."""
+
+    config: CLIPTextConfig
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, input_ids: jax.Array) -> CLIPTextOutput:
+        cfg = self.config
+        if input_ids.shape[1] > cfg.max_position_embeddings:
+            raise ValueError(f"{input_ids.shape[1]} tokens: more than max_position_embeddings "
+                             f"{cfg.max_position_embeddings}")
+        states = CLIPEncoder(cfg, self.dtype, name="encoder")(
+            CLIPTextEmbeddings(cfg, self.dtype, name="embeddings")(input_ids))
+        last = LayerNorm(cfg.layer_norm_eps, self.dtype, name="final_layer_norm")(states[-1])
+        # transformers 5: a config with the legacy eos_token_id 2 pools at the largest id (the
+        # original vocabulary's end-of-text is its last token); any other, at its first occurrence.
+        eos = input_ids.argmax(-1) if cfg.eos_token_id == 2 else (input_ids == cfg.eos_token_id).argmax(-1)
+        return CLIPTextOutput(last, states[-2], last[jnp.arange(last.shape[0]), eos])
+
+
+class CLIPTextModel(nn.Module):
+    """input_ids (B, T) int -> CLIPTextOutput (text_embeds None)."""
+
+    config: CLIPTextConfig
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, input_ids: jax.Array) -> CLIPTextOutput:
+        return CLIPTextTransformer(self.config, self.dtype, name="text_model")(input_ids)
+
+    def init_params(self, rng: jax.Array) -> dict:
+        """Random parameters of the checkpoints' shapes (under `jax.eval_shape`, the shapes alone)."""
+        return self.init(rng, jnp.zeros((1, 1), jnp.int32))["params"]
+
+
+class CLIPTextModelWithProjection(CLIPTextModel):
+    """CLIPTextModel plus text_embeds, the bias-free projection of the pooled state."""
+
+    @nn.compact
+    def __call__(self, input_ids: jax.Array) -> CLIPTextOutput:
+        out = CLIPTextTransformer(self.config, self.dtype, name="text_model")(input_ids)
+        projection = nn.Dense(self.config.projection_dim, use_bias=False, dtype=self.dtype, name="text_projection")
+        return out._replace(text_embeds=projection(out.pooled))

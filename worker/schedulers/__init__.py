@@ -1,0 +1,67 @@
+"""Diffusion schedulers that run inside `jax.jit` and `jax.lax.fori_loop`, numerically equal to
+PyTorch diffusers' (0.42.1), the reference our images are held to.
+
+diffusers' Flax schedulers are not that reference and do not all trace: Flax LMS cannot run under
+jit at all, and Flax Euler picks every step's sigma by comparing float timesteps with integer ones.
+Each module here ports one PyTorch class. Everything that depends only on the config and the step
+count (timesteps, sigmas, per-step coefficients, which multistep order each step uses) is computed
+on the host by `set_timesteps` and becomes constants; the state carries fixed-size history buffers,
+and `scale_model_input` and `step` take the traced loop index, so one compiled loop runs them all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import jax
+
+from worker.schedulers.ddim import DDIMScheduler, DDIMState
+from worker.schedulers.dpm import DPMScheduler, DPMState
+from worker.schedulers.euler import EulerScheduler, EulerState
+from worker.schedulers.lms import LMSScheduler, LMSState
+from worker.schedulers.pndm import PNDMScheduler, PNDMState
+
+__all__ = [
+    "SCHEDULERS",
+    "DDIMScheduler",
+    "DDIMState",
+    "DPMScheduler",
+    "DPMState",
+    "EulerScheduler",
+    "EulerState",
+    "LMSScheduler",
+    "LMSState",
+    "PNDMScheduler",
+    "PNDMState",
+    "Scheduler",
+    "make",
+]
+
+# The job contract's scheduler names; each the port of the PyTorch class named in its module.
+SCHEDULERS = {cls.name: cls for cls in (PNDMScheduler, DDIMScheduler, LMSScheduler, EulerScheduler, DPMScheduler)}
+
+
+class Scheduler(Protocol):
+    """What the generate loop uses. States are flax struct dataclasses of float32/int32 arrays
+    with at least `timesteps` ((M,) float32, what the UNet is fed at loop index i; M is the
+    number of model evaluations) and `init_noise_sigma` (() float32, what the latents are
+    multiplied by after set_timesteps)."""
+
+    def set_timesteps(self, steps: int, shape: tuple[int, ...]) -> Any:
+        """The state for `steps` (static) on samples of `shape` (static); host side."""
+
+    def scale_model_input(self, state: Any, sample: jax.Array, i: jax.Array) -> jax.Array:
+        """The UNet's input at loop index `i` (traced int32)."""
+
+    def step(self, state: Any, model_output: jax.Array, i: jax.Array,
+             sample: jax.Array) -> tuple[jax.Array, Any]:
+        """The sample after model evaluation `i`, in the sample's dtype, and the new state."""
+
+
+def make(name: str, config: Mapping[str, Any]) -> Scheduler:
+    """Scheduler `name` from a model's scheduler config, with diffusers' `from_config`
+    semantics; unsupported options raise ValueError naming option and value."""
+    if name not in SCHEDULERS:
+        raise ValueError(f"unknown scheduler {name!r} (known: {', '.join(SCHEDULERS)})")
+    return SCHEDULERS[name].from_config(config)

@@ -1,0 +1,316 @@
+"""Checkpoint files -> our Flax parameter trees, without torch and without unpickling anything.
+
+A worker loads whatever a diffusers pipeline folder holds, often downloaded from strangers, so
+the file formats are read by this module's own small code and checked before they are trusted:
+
+- safetensors (PyTorch layout and names, converted by worker/convert.py): an 8-byte little-endian
+  header length, a JSON header, then the data. The header is checked whole (length bound, JSON,
+  dtypes, shapes, data offsets inside the file, no overlaps, sizes that match dtype x shape) and
+  the shapes are matched against the model before any tensor data is read; the data is then read
+  from an mmap, so a header that lies cannot make us allocate what it claims.
+- sharded safetensors: `*.safetensors.index.json` (`weight_map`: tensor -> shard file) + shards.
+- variants (`*.fp16.safetensors`, `*.safetensors.index.bf16.json`, ...), named as diffusers and
+  transformers name them.
+- Flax msgpack (`diffusion_flax_model.msgpack`, `flax_model.msgpack`): already our names;
+  flax.serialization.msgpack_restore decodes plain arrays and never unpickles.
+- Pickle files (`.bin`, `.ckpt`, `.pt`, `.pth`) are refused: unpickling runs code from the file.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import mmap
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import ml_dtypes
+import msgpack
+import numpy as np
+from flax.core import unfreeze
+from flax.serialization import msgpack_restore
+from flax.traverse_util import flatten_dict, unflatten_dict
+
+from renderfarm.jobs import JobError, shown
+from worker import convert
+from worker.convert import WeightsError
+
+STEMS = ("diffusion_pytorch_model", "model")  # diffusers models, transformers models
+FLAX_FILES = ("diffusion_flax_model.msgpack", "flax_model.msgpack")
+PICKLE_SUFFIXES = (".bin", ".ckpt", ".pt", ".pth")
+MAX_HEADER = 100 * 2**20  # SDXL's UNet header is ~200 KB
+MAX_INDEX = 16 * 2**20  # a shard index lists names only
+DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+VARIANT_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_SHARD_RE = re.compile(r".*-\d+-of-\d+")
+
+
+class _Dtype(NamedTuple):
+    itemsize: int
+    numpy: np.dtype | None  # None: valid in a header, but not a weight we load
+
+
+# Every dtype of the safetensors format with a whole number of bytes per element.
+_ST_DTYPES = {
+    "F64": _Dtype(8, np.dtype("<f8")), "F32": _Dtype(4, np.dtype("<f4")),
+    "F16": _Dtype(2, np.dtype("<f2")), "BF16": _Dtype(2, np.dtype(ml_dtypes.bfloat16)),
+    **{name: _Dtype(size, None) for name, size in (
+        ("I64", 8), ("U64", 8), ("I32", 4), ("U32", 4), ("I16", 2), ("U16", 2),
+        ("I8", 1), ("U8", 1), ("BOOL", 1), ("F8_E4M3", 1), ("F8_E5M2", 1),
+    )},
+}
+_FLOATS = frozenset(d.numpy for d in _ST_DTYPES.values() if d.numpy is not None)
+
+
+class TensorInfo(NamedTuple):
+    """One tensor of a checked safetensors header: where its bytes are in which file."""
+
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    nbytes: int
+
+
+def load_weights(folder: Path, component: str, kind: str, expected: Any, dtype: Any,
+                 variant: str | None = None) -> Any:
+    """The parameters of `folder/component` in our Flax names, as numpy arrays of `dtype`.
+
+    `kind` is "unet", "vae", "clip" or "clip_projection"; `expected` the module's parameter tree
+    (leaves with `.shape`, e.g. from jax.eval_shape; bare or under "params", and the result is
+    shaped alike); `dtype` float32 or bfloat16. The first of these present is loaded:
+    `{diffusion_pytorch_model,model}[.VARIANT].safetensors`, then the sharded
+    `{diffusion_pytorch_model,model}.safetensors.index[.VARIANT].json`, then (only without a
+    variant) `diffusion_flax_model.msgpack` / `flax_model.msgpack`. A missing variant is an error
+    listing the variants present; pickle files are never loaded. Raises WeightsError.
+    """
+    where = Path(folder) / component
+    if kind not in convert.KINDS:
+        raise WeightsError(where, f"weights kind {kind!r} is not one of {', '.join(convert.KINDS)}")
+    target = _target_dtype(dtype)
+    wanted, wrapped = _flat_expected(expected)
+    source = _choose(where, variant)
+    if source.suffix == ".msgpack":
+        flat = _read_msgpack(source, wanted, target)
+    else:
+        tensors = read_index(source) if source.name.endswith(".json") else read_header(source)
+        flat = _read_safetensors(where, kind, tensors, wanted, target)
+    params = unflatten_dict(flat)
+    return {"params": params} if wrapped else params
+
+
+# ------------------------------------------------------------------------------------ choosing a file
+
+def _add_variant(name: str, variant: str | None) -> str:
+    """diffusers' and transformers' `_add_variant`: the variant goes before the last suffix."""
+    if variant is None:
+        return name
+    head, _, last = name.rpartition(".")
+    return f"{head}.{variant}.{last}"
+
+
+def _variants(names: set[str]) -> list[str]:
+    """The variants the folder has safetensors weights of; "default" for those without one."""
+    found = set()
+    for name in names:
+        for stem in STEMS:
+            if name in (f"{stem}.safetensors", f"{stem}.safetensors.index.json"):
+                found.add("default")
+            for pattern in (rf"{stem}\.([^.]+)\.safetensors", rf"{stem}\.safetensors\.index\.([^.]+)\.json"):
+                match = re.fullmatch(pattern, name)
+                if match and not _SHARD_RE.fullmatch(match[1]):
+                    found.add(match[1])
+    return sorted(found)
+
+
+def _choose(where: Path, variant: str | None) -> Path:
+    """The file to load from the component folder (see load_weights for the order)."""
+    if variant is not None and not (isinstance(variant, str) and VARIANT_RE.fullmatch(variant)):
+        raise JobError("variant", variant, "must be 1 to 64 of A-Z a-z 0-9 _ -")
+    if not where.is_dir():
+        raise WeightsError(where, "is not a folder (the pipeline has no such component)")
+    names = {p.name for p in where.iterdir() if p.is_file()}
+    candidates = [_add_variant(f"{stem}{suffix}", variant)
+                  for suffix in (".safetensors", ".safetensors.index.json") for stem in STEMS]
+    if variant is None:
+        candidates += FLAX_FILES
+    for name in candidates:
+        if name in names:
+            return where / name
+    pickles = sorted(name for name in names if name.endswith(PICKLE_SUFFIXES))
+    present = set(_variants(names)) | ({"default"} if names & set(FLAX_FILES) else set())
+    problems = []
+    if present:
+        wanted = f"of variant {variant!r}" if variant else "without a variant"
+        problems.append(f"has no weights {wanted} (none of {', '.join(candidates)}); "
+                        f"variants present: {', '.join(sorted(present))}")
+    if pickles:
+        problems.append(
+            f"{pickles[0]} is a pickle file, which is never loaded: unpickling runs code from the file. "
+            "Convert it to safetensors on a trusted machine with torch and diffusers/transformers: "
+            "`<ModelClass>.from_pretrained(folder).save_pretrained(folder, safe_serialization=True)`"
+            + (f" ({len(pickles) - 1} more pickle files: {', '.join(pickles[1:4])})" if len(pickles) > 1 else ""))
+    if not problems:
+        problems.append(f"holds no weights (looked for {', '.join(candidates)})")
+    raise WeightsError(where, "; ".join(problems))
+
+
+# ---------------------------------------------------------------------------------------- safetensors
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"duplicate key {next(k for k in keys if keys.count(k) > 1)!r}")
+    return dict(pairs)
+
+
+def _is_count(value: Any) -> bool:
+    """A JSON non-negative integer (not a bool, not 2.0)."""
+    return type(value) is int and value >= 0
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """The checked header of one safetensors file: tensor name -> TensorInfo. Reads only the
+    header; refuses (WeightsError naming the file and the tensor) anything the format forbids."""
+    def bad(rule: str) -> WeightsError:
+        return WeightsError(path.parent, f"{path.name}: {rule}")
+
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 8:
+            raise bad(f"is {size} bytes, too short for a safetensors header")
+        length = int.from_bytes(f.read(8), "little")
+        if length > MAX_HEADER:
+            raise bad(f"declares a {length}-byte header, over the {MAX_HEADER}-byte limit")
+        if length > size - 8:
+            raise bad(f"declares a {length}-byte header in a {size}-byte file")
+        raw = f.read(length)
+    try:
+        header = json.loads(raw, object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, ValueError) as err:
+        raise bad(f"header is not valid JSON ({err})") from None
+    if not isinstance(header, dict):
+        raise bad("header is not a JSON object")
+    if not isinstance(header.pop("__metadata__", {}), dict):
+        raise bad("header's __metadata__ is not a JSON object")
+    data_start, data_size = 8 + length, size - 8 - length
+    tensors = {}
+    for name, entry in header.items():
+        where = f"tensor {shown(name)}"  # shown(): a hostile header's megabyte name stays short
+        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
+            raise bad(f"{where} is not an object with dtype, shape and data_offsets")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if not isinstance(dtype, str) or dtype not in _ST_DTYPES:
+            raise bad(f"{where} has unknown dtype {shown(dtype)} (known: {', '.join(_ST_DTYPES)})")
+        if not isinstance(shape, list) or not all(map(_is_count, shape)):
+            raise bad(f"{where} has shape {shown(shape)}, not a list of non-negative integers")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))):
+            raise bad(f"{where} has data_offsets {shown(offsets)}, not [begin, end] in bytes")
+        begin, end = offsets
+        if not begin <= end <= data_size:
+            raise bad(f"{where} has data_offsets {offsets} outside the file's {data_size} bytes of data")
+        need = math.prod(shape) * _ST_DTYPES[dtype].itemsize
+        if end - begin != need:
+            raise bad(f"{where} has {end - begin} bytes of data, but {dtype} x {shown(shape)} needs {need}")
+        tensors[name] = TensorInfo(path, dtype, tuple(shape), data_start + begin, end - begin)
+    spans = sorted((t.start, t.start + t.nbytes, name) for name, t in tensors.items() if t.nbytes)
+    for (_, end, first), (start, _, second) in itertools.pairwise(spans):
+        if start < end:
+            raise bad(f"tensor {shown(second)} overlaps tensor {shown(first)} in the data")
+    return tensors
+
+
+def read_index(index: Path) -> dict[str, TensorInfo]:
+    """The tensors of a sharded checkpoint: its index (`weight_map`) and every shard's checked
+    header, which must agree (each tensor in exactly the shard the index names)."""
+    def bad(rule: str) -> WeightsError:
+        return WeightsError(index.parent, f"{index.name}: {rule}")
+
+    if index.stat().st_size > MAX_INDEX:
+        raise bad(f"is over the {MAX_INDEX}-byte limit for a shard index")
+    try:
+        weight_map = json.loads(index.read_bytes(), object_pairs_hook=_no_duplicates).get("weight_map")
+    except (UnicodeDecodeError, ValueError, AttributeError) as err:
+        raise bad(f"is not a JSON object with a weight_map ({err})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise bad("weight_map is not an object of tensor name -> shard file name")
+    headers = {}
+    for shard in sorted(set(weight_map.values())):
+        if Path(shard).name != shard or shard in (".", ".."):
+            raise bad(f"shard {shown(shard)} is not a plain file name in the folder")
+        if not (index.parent / shard).is_file():
+            raise bad(f"shard {shown(shard)} is missing")
+        headers[shard] = read_header(index.parent / shard)
+    for shard, header in headers.items():
+        for name in header:
+            if weight_map.get(name) != shard:
+                raise bad(f"tensor {shown(name)} of {shard} is not mapped to it in the weight_map")
+    tensors = {}
+    for name, shard in weight_map.items():
+        if name not in headers[shard]:
+            raise bad(f"tensor {shown(name)} is mapped to {shard}, which does not hold it")
+        tensors[name] = headers[shard][name]
+    return tensors
+
+
+def _read_safetensors(where: Path, kind: str, tensors: Mapping[str, TensorInfo],
+                      wanted: Mapping[tuple[str, ...], tuple[int, ...]], target: np.dtype) -> dict:
+    """Convert names and check shapes against the model, then read each tensor from an mmap."""
+    plan = convert.plan(kind, {name: t.shape for name, t in tensors.items()}, wanted, str(where))
+    for name in plan:
+        info = tensors[name]
+        if _ST_DTYPES[info.dtype].numpy is None:
+            raise WeightsError(where, f"{info.file.name}: tensor {shown(name)} has dtype {info.dtype}; "
+                                      "weights must be F32, F16, BF16 or F64")
+    flat = {}
+    for file in sorted({tensors[name].file for name in plan}):
+        with open(file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            for name, move in plan.items():
+                if tensors[name].file == file:
+                    flat[move.path] = _tensor(data, tensors[name], move.axes, target)
+    return flat
+
+
+def _tensor(data: mmap.mmap, info: TensorInfo, axes: tuple[int, ...] | None, target: np.dtype) -> np.ndarray:
+    """A copy of one tensor, permuted and cast (no view outlives the mmap)."""
+    view = np.frombuffer(data, _ST_DTYPES[info.dtype].numpy, math.prod(info.shape), info.start)
+    view = view.reshape(info.shape)
+    return np.array(view.transpose(axes) if axes else view, dtype=target, order="C")
+
+
+# --------------------------------------------------------------------------------------------- msgpack
+
+def _read_msgpack(path: Path, wanted: Mapping[tuple[str, ...], tuple[int, ...]], target: np.dtype) -> dict:
+    """A Flax msgpack checkpoint: already our names; checked against the model, then cast."""
+    try:
+        tree = msgpack_restore(path.read_bytes())
+    except (ValueError, TypeError, msgpack.exceptions.UnpackException) as err:
+        raise WeightsError(path.parent, f"{path.name}: not a Flax msgpack checkpoint ({err})") from None
+    flat = flatten_dict(tree) if isinstance(tree, dict) else {(): tree}
+    for name, leaf in flat.items():
+        if not isinstance(leaf, np.ndarray) or leaf.dtype not in _FLOATS:
+            raise WeightsError(path.parent, f"{path.name}: {'/'.join(map(str, name))} is a "
+                                            f"{type(leaf).__name__}, not a float array")
+    convert.fit({"/".join(name): (name, leaf.shape) for name, leaf in flat.items()}, wanted, str(path.parent))
+    return {name: leaf.astype(target) for name, leaf in flat.items()}
+
+
+# ------------------------------------------------------------------------------------------- arguments
+
+def _target_dtype(dtype: Any) -> np.dtype:
+    name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    if name not in DTYPES:
+        raise JobError("dtype", name, f"must be one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def _flat_expected(expected: Any) -> tuple[dict[tuple[str, ...], tuple[int, ...]], bool]:
+    """The expected tree as flat path -> shape, and whether it sat under "params"."""
+    tree = unfreeze(expected)
+    wrapped = isinstance(tree, dict) and list(tree) == ["params"]
+    flat = flatten_dict(tree["params"] if wrapped else tree)
+    return {path: tuple(leaf.shape) for path, leaf in flat.items()}, wrapped
