@@ -30,9 +30,9 @@ DTYPES = ("float32", "bfloat16")
 
 
 def scheduler_dtypes(engine: Engine, name: str) -> set[str]:
-    """dtypes of the floating leaves of the scheduler state the engine feeds its programs."""
-    _, state = engine._scheduler(name)  # noqa: SLF001 - what the compiled program receives
-    leaves = jax.tree.leaves(state) + jax.tree.leaves(engine.model.params.get("scheduler"))
+    """dtypes of the floating leaves of the scheduler state the engine's programs build."""
+    scheduler = engine._scheduler(name)  # noqa: SLF001 - what the compiled program runs
+    leaves = jax.tree.leaves(scheduler.set_timesteps(4, (1, 4, 8, 8)))
     return {str(x.dtype) for x in leaves if hasattr(x, "dtype") and np.issubdtype(x.dtype, np.floating)}
 
 

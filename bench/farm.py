@@ -5,7 +5,7 @@
     redis-server; jobs/s and the process's peak RSS (flat in the file's size).
 
 (b) control plane: one `renderfarm worker` whose renderer is a stand-in that answers at
-    once (`--stand-in 0`): jobs/s through broker, batching, events, results and storage.
+    once (`python -m bench.standin 0 worker ...`): jobs/s through broker, batching, events, results and storage.
 (c) end to end: one worker with the tiny model against `renderfarm render` of the same jobs
     (default job parameters, both after compile); farm images/s divided by local images/s.
 
@@ -84,10 +84,10 @@ def farm_worker(model: Path, tmp: Path, steps: int, stand_in: float | None, out:
                 size: int = 64) -> Iterator[tuple[RedisServer, WorkerProcess]]:
     """A redis-server and one ready `renderfarm worker` with the shape precompiled."""
     server = RedisServer(appendonly=False)
-    extra = ("--stand-in", str(stand_in)) if stand_in is not None else ()
+    entry = ("-m", "renderfarm_cli") if stand_in is None else ("-m", "bench.standin", str(stand_in))
     run = time.monotonic_ns()
     worker = WorkerProcess(model, str((out or tmp) / f"farm-out-{run}"), server.url, f"bench-{run}", tmp,
-                           precompile=f"{size}x{size}@{steps}", extra=extra)
+                           precompile=f"{size}x{size}@{steps}", entry=entry)
     try:
         worker.wait_ready(farm_app(server.url), timeout=600)
         yield server, worker

@@ -1,4 +1,4 @@
-"""The control plane at fleet size: one Redis, 16 `renderfarm worker --stand-in SECONDS`
+"""The control plane at fleet size: one Redis, 16 workers with stand-in devices (bench/standin.py)
 processes (each batch "renders" by sleeping: an accelerator that is never slow to answer),
 10,000 jobs through `producer.submit`. Prints measured jobs/s against the ideal
 (workers x batch size / batch time), the Redis commands the farm spends per job (INFO
@@ -84,7 +84,7 @@ def run_fleet(model: Path, tmp: Path, workers: int, n: int, seconds: float) -> d
     try:
         started = time.perf_counter()
         procs = [WorkerProcess(model, str(out), server.url, f"fleet-{i}-{os.getpid()}", tmp,
-                               precompile="64x64@25", extra=("--stand-in", str(seconds)))
+                               precompile="64x64@25", entry=("-m", "bench.standin", str(seconds)))
                  for i in range(workers)]
         app = farm_app(server.url)
         for proc in procs:

@@ -50,7 +50,7 @@ def main() -> None:
     inputs, _ = engine._inputs(specs)
     params = engine._params
     fn = partial(model.family.generate, model.networks, engine._scheduler(key.scheduler),
-                 Static(key.height, key.width, key.steps))
+                 Static(key.height, key.width, key.steps, key.guided))
     mesh = engine._sharded.mesh
 
     per_device = Inputs(*(np.asarray(x).reshape(n, 1, *x.shape[1:]) for x in inputs))

@@ -23,8 +23,9 @@ from pathlib import Path
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 from renderfarm.jobs import JobSpec  # noqa: E402
+from renderfarm.layout import sidecar_name  # noqa: E402
 from renderfarm.progress import Progress  # noqa: E402
-from renderfarm.storage import open_storage, sidecar_name  # noqa: E402
+from renderfarm.storage import open_storage  # noqa: E402
 from tests.farm import WorkerProcess, enqueue, farm_app, wait_for  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 

@@ -19,6 +19,7 @@ ENV PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /app
 COPY pyproject.toml requirements.lock README.md ./
 COPY renderfarm renderfarm
+COPY renderfarm_cli renderfarm_cli
 COPY producer producer
 COPY worker worker
 RUN pip install --no-cache-dir -c requirements.lock ".[${EXTRA}]" "${FLOWER_SPEC}"

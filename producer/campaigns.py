@@ -35,13 +35,15 @@ from renderfarm.jobs import (
     check_int,
     parse_job,
 )
+from renderfarm.layout import sidecar_job_id
 from renderfarm.settings import Settings
 from renderfarm.storage import open_storage
 
 SHOWN_BAD_ROWS = 10  # bad rows a run keeps to show; it always counts them all
 JOB_FIELDS = ("negative_prompt", "steps", "guidance_scale", "width", "height", "scheduler", "dtype", "variant",
               "priority")
-ShapeKey = tuple[str, int | None, int | None, int, str | None]  # model, width, height, steps, scheduler
+# model, width, height, steps, scheduler, guided (classifier-free guidance: scale > 1)
+ShapeKey = tuple[str, int | None, int | None, int, str | None, bool]
 
 
 class SpecError(JobError):
@@ -292,9 +294,7 @@ def stored_job_ids(spec: CampaignSpec) -> set[str]:
     """The ids of the campaign's jobs whose results are in storage: one listing of the
     campaign's folder. A sidecar is written after its image, so it marks a finished job."""
     storage = open_storage(spec.output, durable=False)
-    prefix, suffix = f"{spec.name}/", ".json"  # sidecar_name's layout: CAMPAIGN/JOB_ID.json
-    return {name[len(prefix):-len(suffix)] for name in storage.list(prefix)
-            if name.endswith(suffix) and "/" not in name[len(prefix):]}
+    return {job_id for name in storage.list(f"{spec.name}/") if (job_id := sidecar_job_id(spec.name, name))}
 
 
 def scan_campaign(spec: CampaignSpec, stored: set[str] | None = None) -> Scan:
@@ -307,7 +307,7 @@ def scan_campaign(spec: CampaignSpec, stored: set[str] | None = None) -> Scan:
 
     for job in campaign_jobs(spec, scan.bad, finish):
         scan.jobs += 1
-        scan.shapes[(job.model, job.width, job.height, job.steps, job.scheduler)] += 1
+        scan.shapes[(job.model, job.width, job.height, job.steps, job.scheduler, job.guidance_scale > 1)] += 1
         if stored and job.job_id in stored:
             scan.stored += 1
     return scan

@@ -1,4 +1,5 @@
-"""The farm subcommands of `renderfarm` (submit, status, cancel, campaign). Producer side: no JAX."""
+"""The producer side's commands of `renderfarm` (submit, status, cancel, deadletters, campaign,
+gallery). No JAX."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ from kombu.exceptions import KombuError
 
 from producer.status import campaign_status, cancel_campaign, farm_queues, format_status
 from producer.submit import Submission, WaitTimeout, submit, wait_for
+from renderfarm.flags import broker_flag, job_defaults, job_flags
+from renderfarm.gallery import DEFAULT_LIMIT, DEFAULT_TILES, refresh
 from renderfarm.settings import Settings, redacted
+from renderfarm.storage import open_storage
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -34,8 +38,6 @@ def broker_errors(handler: Handler) -> Handler:
 
 @broker_errors
 def cmd_submit(args: argparse.Namespace) -> int:
-    from renderfarm.cli import job_defaults
-
     submission = submit(args.prompts_args, prompts_file=args.prompts, seed=args.seed,
                         priority=args.priority, broker=args.broker, **job_defaults(args))
     print(submission.summary())
@@ -69,10 +71,10 @@ def cmd_campaign_validate(args: argparse.Namespace) -> int:
     print(f"campaign {spec.name}: {scan.rows} rows from {spec.source}, {scan.jobs} jobs "
           f"({spec.images_per_prompt} per row), seeds {spec.base_seed}.."
           f"{spec.base_seed + max(scan.rows * spec.images_per_prompt - 1, 0)}, output {spec.output}")
-    print("shapes (model, width, height, steps, scheduler; none = the model's default):")
-    for (model, width, height, steps, scheduler), jobs in scan.shapes.most_common():
+    print("shapes (model, width, height, steps, scheduler, guidance; a worker compiles a program for each):")
+    for (model, width, height, steps, scheduler, guided), jobs in scan.shapes.most_common():
         print(f"  {model} {width or 'default'}x{height or 'default'} {steps} steps "
-              f"{scheduler or 'default scheduler'}: {jobs} jobs")
+              f"{scheduler or 'default scheduler'}{'' if guided else ' cfg-free'}: {jobs} jobs")
     if scan.ignored_columns:
         print(f"ignored columns (not job fields): {', '.join(scan.ignored_columns)}")
     if spec.schedule:
@@ -154,15 +156,15 @@ def cmd_deadletters(args: argparse.Namespace) -> int:
     return 0
 
 
-def broker_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--broker", metavar="URL",
-                        help="Redis broker URL (default: $RENDERFARM_BROKER_URL or redis://localhost:6379/0)")
+def cmd_gallery(args: argparse.Namespace) -> int:
+    gallery = refresh(open_storage(args.source), args.campaign, limit=args.limit, tiles=args.tiles,
+                      make_thumbnails=True)
+    print(gallery.summary())
+    return 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add submit, status, cancel and campaign to the `renderfarm` command's subparsers."""
-    from renderfarm.cli import job_flags  # cli.py calls register: import it only then
-
+    """Add the producer side's commands to the `renderfarm` command's subparsers."""
     submit_parser = sub.add_parser("submit", help="enqueue jobs for the farm's workers")
     job_flags(submit_parser)
     submit_parser.add_argument("--priority", type=int, choices=range(10), metavar="0-9",
@@ -175,13 +177,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     submit_parser.set_defaults(handler=cmd_submit)
 
     status = sub.add_parser("status", help="a campaign's progress, failures, rate, ETA and queues")
-    status.add_argument("campaign", metavar="CAMPAIGN")
+    status.add_argument("campaign", metavar="CAMPAIGN", help="the campaign's name")
     status.add_argument("--json", action="store_true", help="one JSON object")
     broker_flag(status)
     status.set_defaults(handler=cmd_status)
 
     cancel = sub.add_parser("cancel", help="skip a campaign's queued jobs")
-    cancel.add_argument("campaign", metavar="CAMPAIGN")
+    cancel.add_argument("campaign", metavar="CAMPAIGN", help="the campaign's name")
     broker_flag(cancel)
     cancel.set_defaults(handler=cmd_cancel)
 
@@ -198,12 +200,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     campaign = sub.add_parser("campaign", help="check or run a campaign spec (YAML; docs/campaigns.md)")
     actions = campaign.add_subparsers(dest="action", required=True)
     validate = actions.add_parser("validate", help="check the spec and every row; count jobs; list bad rows")
-    validate.add_argument("spec", metavar="SPEC")
+    validate.add_argument("spec", metavar="SPEC", help="campaign spec (YAML)")
     validate.set_defaults(handler=cmd_campaign_validate)
     run = actions.add_parser("run", help="submit the jobs whose results are not in storage yet")
-    run.add_argument("spec", metavar="SPEC")
+    run.add_argument("spec", metavar="SPEC", help="campaign spec (YAML)")
     run.add_argument("--strict", action="store_true", help="enqueue nothing if any row is bad")
     run.add_argument("--wait", action="store_true", help="show progress until every job submitted is finished")
     run.add_argument("--timeout", type=float, metavar="S", help="give up waiting after S seconds, exit 1 (implies --wait)")
     broker_flag(run)
     run.set_defaults(handler=cmd_campaign_run)
+
+    gallery = sub.add_parser("gallery", help="rebuild a campaign's index.html and preview.png")
+    gallery.add_argument("campaign", metavar="CAMPAIGN", help="the campaign's name (its folder under --from)")
+    gallery.add_argument("--from", dest="source", required=True, metavar="URL",
+                         help="storage root the campaign is in (local folder or gs://bucket/prefix)")
+    gallery.add_argument("--limit", type=int, default=DEFAULT_LIMIT, metavar="N",
+                         help=f"images listed on the page, newest first (default {DEFAULT_LIMIT})")
+    gallery.add_argument("--tiles", type=int, default=DEFAULT_TILES, metavar="N",
+                         help=f"thumbnails on the contact sheet (default {DEFAULT_TILES})")
+    gallery.set_defaults(handler=cmd_gallery)

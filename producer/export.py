@@ -33,9 +33,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from renderfarm.manifest import Records
 from renderfarm.jobs import JobError, check_campaign
-from renderfarm.storage import Storage, image_name, open_storage
+from renderfarm.layout import image_name
+from renderfarm.manifest import Records
+from renderfarm.storage import Storage, open_storage
 
 log = logging.getLogger(__name__)
 
@@ -300,10 +301,12 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("export", help="export a campaign as imagefolder, webdataset or parquet")
-    parser.add_argument("campaign")
+    parser.add_argument("campaign", metavar="CAMPAIGN", help="the campaign's name (its folder under --from)")
     parser.add_argument("--from", dest="source", required=True, metavar="URL",
                         help="storage root the campaign is in (local folder or gs://bucket/prefix)")
-    parser.add_argument("--format", required=True, choices=FORMATS)
+    parser.add_argument("--format", required=True, choices=FORMATS,
+                        help="imagefolder: PNGs + metadata.jsonl a folder; webdataset: tar shards; "
+                             "parquet: image bytes and metadata in columns")
     parser.add_argument("--to", required=True, metavar="URL", help="empty folder or gs:// prefix to write to")
     parser.add_argument("--shard-size", type=int, default=DEFAULT_SHARD_SIZE,
                         help=f"images per folder, tar or parquet file (default {DEFAULT_SHARD_SIZE}); "

@@ -308,7 +308,8 @@ def cmd_beat(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `schedule add|list|remove` and `beat` to the `renderfarm` command's subcommands."""
-    from producer.commands import broker_errors, broker_flag
+    from producer.commands import broker_errors
+    from renderfarm.flags import broker_flag
 
     schedule_parser = sub.add_parser("schedule", help="scheduled campaigns: add, list, remove")
     actions = schedule_parser.add_subparsers(dest="action", required=True)
@@ -316,7 +317,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add.add_argument("spec", metavar="SPEC", help="campaign spec (YAML)")
     when = add.add_mutually_exclusive_group()
     when.add_argument("--cron", metavar="EXPR", help="5-field cron expression in UTC (default: the spec's schedule)")
-    when.add_argument("--every", type=float, metavar="SECONDS", help="a fixed interval instead of cron")
+    when.add_argument("--every", type=float, metavar="SECONDS", help="a fixed interval in seconds instead of cron")
     broker_flag(add)
     add.set_defaults(handler=broker_errors(cmd_add))
     listing = actions.add_parser("list", help="schedules with their next and last run")
@@ -324,11 +325,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     broker_flag(listing)
     listing.set_defaults(handler=broker_errors(cmd_list))
     remove = actions.add_parser("remove", help="delete a schedule (running beats stop firing it)")
-    remove.add_argument("name", metavar="NAME")
+    remove.add_argument("name", metavar="NAME", help="the schedule's name (its campaign spec's name)")
     broker_flag(remove)
     remove.set_defaults(handler=broker_errors(cmd_remove))
 
     beat = sub.add_parser("beat", help="run the scheduler and submit scheduled campaigns (several may run)")
     broker_flag(beat)
-    beat.add_argument("--loglevel", default="info", choices=("debug", "info", "warning", "error"))
+    beat.add_argument("--loglevel", default="info", choices=("debug", "info", "warning", "error"),
+                      help="the least severe log lines shown (default info)")
     beat.set_defaults(handler=cmd_beat)

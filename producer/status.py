@@ -89,15 +89,28 @@ def _duration(seconds: float | None) -> str:
     return "-" if seconds is None else str(datetime.timedelta(seconds=round(seconds)))
 
 
+def _running_lines(report: dict[str, Any]) -> list[str]:
+    rate = report["images_per_second"]
+    return [f"  {'rate':<10} {'-' if rate is None else f'{rate:.2f} images/s':>8}",
+            f"  {'ETA':<10} {_duration(report['eta_seconds']):>8}"]
+
+
+def _finished_lines(report: dict[str, Any]) -> list[str]:
+    """A finished campaign's totals: its wall time from first submission to last image, and
+    the images per second over that time."""
+    elapsed, done = report["elapsed_seconds"], report["done"]
+    if not elapsed:
+        return [f"  {'finished':<10} {done:>8} images"]
+    return [f"  {'finished':<10} {done:>8} images in {_duration(elapsed)}, {done / elapsed:.2f} images/s"]
+
+
 def format_status(report: dict[str, Any]) -> str:
     """The report for a terminal: counts, rate and ETA, a few failures, queues, warnings."""
-    rate = report["images_per_second"]
     lines = [f"campaign {report['campaign']}"
              + (" (cancel requested)" if report["cancel_requested"] else ""),
              *(f"  {name:<10} {report[name]:>8}"
-               for name in ("submitted", "queued", "running", "done", "failed", "cancelled")),
-             f"  {'rate':<10} {'-' if rate is None else f'{rate:.2f} images/s':>8}",
-             f"  {'ETA':<10} {_duration(report['eta_seconds']):>8}"]
+               for name in ("submitted", "queued", "running", "done", "failed", "cancelled"))]
+    lines += _finished_lines(report) if report["finished"] else _running_lines(report)
     failures = list(report["failures"].items())
     if failures:
         lines.append(f"failures ({len(failures)}):")

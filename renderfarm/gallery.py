@@ -13,7 +13,6 @@ images and states the total.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import dataclasses
 import datetime
@@ -29,16 +28,15 @@ from typing import Any
 from PIL import Image
 
 from renderfarm.jobs import JobError, check_campaign
-from renderfarm.manifest import Cursor, Manifest, Records, no_such_campaign, open_manifest
-from renderfarm.storage import (
-    LocalStorage,
-    Storage,
-    image_name,
-    index_name,
-    open_storage,
-    preview_name,
-    thumbnail_name,
+from renderfarm.layout import image_name, index_name, preview_name, thumbnail_name
+from renderfarm.manifest import (
+    Cursor,
+    Manifest,
+    Records,
+    no_such_campaign,
+    open_manifest,
 )
+from renderfarm.storage import LocalStorage, Storage
 
 log = logging.getLogger(__name__)
 
@@ -280,23 +278,3 @@ class Refresher:
             refresh(self.storage, campaign, limit=self.limit, seen=seen, manifest=self.manifest)
         except Exception:  # noqa: BLE001 - logged; the next refresh retries
             log.warning("gallery refresh of %s failed", campaign, exc_info=True)
-
-
-# --------------------------------------------------------------------------- CLI
-
-
-def cmd_gallery(args: argparse.Namespace) -> int:
-    gallery = refresh(open_storage(args.source), args.campaign, limit=args.limit, tiles=args.tiles,
-                      make_thumbnails=True)
-    print(gallery.summary())
-    return 0
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("gallery", help="rebuild a campaign's index.html and preview.png")
-    parser.add_argument("campaign")
-    parser.add_argument("--from", dest="source", required=True, metavar="URL",
-                        help="storage root the campaign is in (local folder or gs://bucket/prefix)")
-    parser.add_argument("--limit", type=int, default=DEFAULT_LIMIT, help="images listed on the page (newest first)")
-    parser.add_argument("--tiles", type=int, default=DEFAULT_TILES, help="thumbnails on the contact sheet")
-    parser.set_defaults(handler=cmd_gallery)

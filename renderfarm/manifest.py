@@ -38,7 +38,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from renderfarm.jobs import JobError, check_campaign
-from renderfarm.storage import MANIFEST_BASENAME, GCSStorage, LocalStorage, Storage, validate_job_id
+from renderfarm.layout import MANIFEST_BASENAME, validate_job_id
+from renderfarm.storage import GCSStorage, LocalStorage, Storage
 
 log = logging.getLogger(__name__)
 

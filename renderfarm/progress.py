@@ -8,7 +8,7 @@ Keys (CAMPAIGN is validated by the job contract, so it cannot reach outside its 
   rf:c:CAMPAIGN:failed      hash job id -> reason (failed for good)
   rf:c:CAMPAIGN:cancelled   set of job ids skipped because the campaign was cancelled
   rf:c:CAMPAIGN:cancel      flag: queued jobs of the campaign are skipped
-  rf:c:CAMPAIGN:times       hash: first_done, last_done (unix seconds)
+  rf:c:CAMPAIGN:times       hash: first_submitted, first_done, last_done (unix seconds)
   rf:c:CAMPAIGN:attempts    hash job id -> attempts started (the same spec in two campaigns is
                             two jobs: each has its own attempts)
   rf:c:CAMPAIGN:submission:ID  set of the job ids one submission sent (expires after 7 days)
@@ -45,6 +45,7 @@ class Progress:
     def submitted(self, campaign: str, job_ids: list[str], queue: str | None = None) -> None:
         pipe = self.r.pipeline(transaction=False)
         pipe.sadd(key(campaign, "submitted"), *job_ids)
+        pipe.hsetnx(key(campaign, "times"), "first_submitted", time.time())
         if queue is not None:
             pipe.sadd(QUEUES, queue)
         pipe.execute()
@@ -141,8 +142,10 @@ class Progress:
         submitted, running, done, cancelled, failed, times, cancel = pipe.execute()
         failed = {k.decode(): v.decode() for k, v in failed.items()}
         queued = max(0, submitted - running - done - cancelled - len(failed))
-        first, last = (float(times.get(k, 0)) for k in (b"first_done", b"last_done"))
+        submitted_at, first, last = (float(times.get(k, 0))
+                                     for k in (b"first_submitted", b"first_done", b"last_done"))
         rate = (done - 1) / (last - first) if done > 1 and last > first else None
+        finished = bool(submitted) and queued + running == 0
         return {
             "campaign": campaign,
             "submitted": submitted,
@@ -155,6 +158,9 @@ class Progress:
             "cancel_requested": bool(cancel),
             "images_per_second": rate,
             "eta_seconds": (queued + running) / rate if rate else None,
+            "finished": finished,
+            # first submission to last image: a finished campaign's wall time
+            "elapsed_seconds": last - submitted_at if done and submitted_at else None,
         }
 
 

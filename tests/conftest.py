@@ -15,15 +15,14 @@ os.environ["HF_HOME"] = os.path.join(_SANDBOX, "hf")
 os.environ["RENDERFARM_MODEL_CACHE"] = os.path.join(_SANDBOX, "models")
 os.environ["RENDERFARM_COMPILE_CACHE"] = os.path.join(_SANDBOX, "jax-cache")
 
-from collections.abc import Iterator  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
+from tests.farm import STEPS  # noqa: E402, F401 - the tests' step count, imported from here
 from tests.gcs_emulator import GcsEmulator  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
-
-STEPS = 3  # few steps: the tests check plumbing and numerics, not image quality
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -102,3 +101,18 @@ def gcs(gcs_server: GcsEmulator, monkeypatch: pytest.MonkeyPatch) -> GcsEmulator
     """The emulator, with the google client of this test pointed at it."""
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server.url)
     return gcs_server
+
+
+Cli = Callable[..., tuple[int, str, str]]
+
+
+@pytest.fixture()
+def cli(capsys: pytest.CaptureFixture[str]) -> Cli:
+    """`renderfarm ARGS` in this process, as a user types it: (exit code, stdout, stderr)."""
+    import renderfarm_cli
+
+    def run(*argv: object) -> tuple[int, str, str]:
+        code = renderfarm_cli.main([str(a) for a in argv])
+        out, err = capsys.readouterr()
+        return code, out, err
+    return run

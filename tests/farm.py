@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import redis
 from celery import Celery
@@ -22,17 +23,20 @@ from renderfarm.queue import TASK_NAME, job_message, make_app
 from renderfarm.settings import Settings
 from renderfarm.storage import Storage
 
+STEPS = 3  # few steps: the tests check plumbing and numerics, not image quality
+
 
 class WorkerProcess:
-    """`renderfarm worker` in its own process, as an operator starts it."""
+    """`renderfarm worker` in its own process, as an operator starts it (`entry`: how Python
+    runs the command; bench/standin.py runs it with stand-in devices)."""
 
     def __init__(self, model: Path, out: str, broker: str, name: str, log_dir: Path,
                  env: dict[str, str] | None = None, precompile: str = "64x64@3",
-                 extra: tuple[str, ...] = ()) -> None:
+                 extra: tuple[str, ...] = (), entry: tuple[str, ...] = ("-m", "renderfarm_cli")) -> None:
         self.name = f"{name}@test"
         self.log = log_dir / f"{name}.log"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "renderfarm.cli", "worker", "--model", str(model), "--out", out,
+            [sys.executable, *entry, "worker", "--model", str(model), "--out", out,
              "--broker", broker, "--node-name", self.name, "--max-wait", "0.5",
              "--precompile", precompile, *extra],
             stdout=self.log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
@@ -92,3 +96,18 @@ def manifest_records(storage: Storage, campaign: str) -> list[dict]:
 
 def manifest_ids(storage: Storage, campaign: str) -> list[str]:
     return [record["job_id"] for record in manifest_records(storage, campaign)]
+
+
+def jobs(model: Path, campaign: str, n: int, seed: int = 0, **fields: Any) -> list[JobSpec]:
+    """`n` distinct jobs of a campaign on `model` (guidance varied), `fields` set on each."""
+    return [JobSpec(**{"prompt": f"{campaign} lighthouse {i}", "model": str(model), "seed": seed + i,
+                       "steps": STEPS, "campaign": campaign, "guidance_scale": 2.0 + i % 4, **fields})
+            for i in range(n)]
+
+
+def wait_done(progress: Progress, campaign: str, n: int, timeout: float = 180) -> dict[str, Any]:
+    """Wait until every one of the campaign's `n` jobs is done or failed; its status then."""
+    wait_for(lambda: progress.status(campaign)["done"] + progress.status(campaign)["failed"] >= n,
+             timeout, f"{n} jobs of {campaign}")
+    return progress.status(campaign)
+

@@ -9,8 +9,7 @@ its HTTP API with basic auth.
 Flower only sees events sent while it listens (Celery events are broadcast, not queued), so
 start it first and wait until it reports the worker online before sending jobs.
 
-The process runs `python -m renderfarm.cli flower` when the CLI has the subcommand, else
-`python -m renderfarm.flower` (the same handler, before it is wired in).
+The process runs `python -m renderfarm_cli flower`.
 """
 
 from __future__ import annotations
@@ -36,20 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
 
 
-def cli_has_flower() -> bool:
-    import argparse
-
-    from renderfarm.cli import parser
-
-    return any(isinstance(action, argparse._SubParsersAction) and "flower" in action.choices
-               for action in parser()._actions)
-
-
-def flower_command() -> list[str]:
-    """How to run `renderfarm flower` from a test, before and after it is wired into the CLI."""
-    if cli_has_flower():
-        return [sys.executable, "-m", "renderfarm.cli", "flower"]
-    return [sys.executable, "-m", "renderfarm.flower"]
+FLOWER_COMMAND = [sys.executable, "-m", "renderfarm_cli", "flower"]
 
 
 def child_env(**updates: str | None) -> dict[str, str]:
@@ -175,7 +161,7 @@ def run_flower(broker_url: str, auth: str | None = "user:pw", extra_args: Sequen
         for _attempt in range(3):  # a free port can be taken between probe and bind
             port = free_port()
             log_path = tmp / f"flower-{port}.log"
-            cmd = [*flower_command(), "--port", str(port), "--address", "127.0.0.1", "--broker", broker_url]
+            cmd = [*FLOWER_COMMAND, "--port", str(port), "--address", "127.0.0.1", "--broker", broker_url]
             if auth is None:
                 cmd.append("--no-auth")
             if extra_args:

@@ -285,7 +285,8 @@ def test_held_messages_are_kept_fresh_and_a_dead_consumers_come_back(broker: str
         assert len(held) == 3 and queued(r) == 0  # nothing restored while they are held
         assert all(r.zscore("unacked_index", tag) > score for tag, score in stamped.items())
         consumer.channel._closing.set()  # as if the holder died: no more stamps
-        time.sleep(0.1)
+        consumer.channel._keeper.join(5)
+        assert not consumer.channel._keeper.is_alive()
         returned: list[Any] = []
         with connect(broker) as other, other.Consumer(QUEUE, callbacks=[lambda _, m: returned.append(m)]):
             drain(other, lambda: len(returned) == 3, 10)

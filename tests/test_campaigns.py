@@ -12,14 +12,13 @@ from pathlib import Path
 
 import pytest
 
-import renderfarm.cli as rf_cli
 from producer.campaigns import StrictError, campaign_jobs, load_spec, run_campaign
 from producer.status import cancel_campaign
 from renderfarm.progress import Progress
 from renderfarm.queue import queue_name
 from renderfarm.settings import Settings
 from renderfarm.storage import open_storage
-from tests.conftest import STEPS
+from tests.conftest import STEPS, Cli
 from tests.farm import WorkerProcess, farm_app, manifest_ids, wait_for
 from tests.redis_server import RedisServer
 
@@ -38,14 +37,8 @@ def write_spec(tmp_path: Path, name: str, model: str, source: str, **keys: objec
     return path
 
 
-def cli(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, str]:
-    code = rf_cli.main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_bad_rows_are_skipped_and_reported_and_strict_enqueues_nothing(
-        broker: str, redis_server: RedisServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        broker: str, redis_server: RedisServer, tmp_path: Path, cli: Cli) -> None:
     rows = [f"good {i}" for i in range(2500)]  # more than two submit chunks
     rows[1200] = '{"prompt": "x", "steps": 0}'
     rows[2400] = '{"prompt": ""}'
@@ -53,7 +46,7 @@ def test_bad_rows_are_skipped_and_reported_and_strict_enqueues_nothing(
     (tmp_path / "rows.jsonl").write_text("\n".join(lines) + "\n")
     path = write_spec(tmp_path, "bad", "some/model", "rows.jsonl")
 
-    code, out, err = cli(capsys, "campaign", "run", path, "--strict", "--broker", broker)
+    code, out, err = cli("campaign", "run", path, "--strict", "--broker", broker)
     assert code == 1
     assert "has 3 bad rows (first: line 1201: steps=0: must be in 1..500); --strict enqueues nothing" in err
     assert "bad line 2401: prompt='': must not be empty" in err and "bad line 2501: line='{not json'" in err
@@ -62,11 +55,11 @@ def test_bad_rows_are_skipped_and_reported_and_strict_enqueues_nothing(
         run_campaign(load_spec(path), settings=Settings(broker_url=broker), strict=True)
     assert queued(redis_server, "some/model") == 0
 
-    code, out, _ = cli(capsys, "campaign", "validate", path)
+    code, out, _ = cli("campaign", "validate", path)
     assert code == 1
     assert "2501 rows" in out and "2498 jobs" in out and "3 bad rows" in out and "  line 1201: steps=0" in out
 
-    code, out, _ = cli(capsys, "campaign", "run", path, "--broker", broker)
+    code, out, _ = cli("campaign", "run", path, "--broker", broker)
     assert code == 0
     assert "campaign bad: 2501 rows, 2498 jobs, 3 bad rows skipped" in out
     assert "bad line 1201: steps=0: must be in 1..500" in out and "enqueued 2498 jobs" in out
@@ -75,17 +68,18 @@ def test_bad_rows_are_skipped_and_reported_and_strict_enqueues_nothing(
     assert seeds[1199:1201] == [1000 + 1199, 1000 + 1201]  # the bad row's seed is skipped, none shifted
 
 
-def test_validate_prints_jobs_and_shapes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    (tmp_path / "p.csv").write_text("prompt,width,notes\na,128,x\nb,,y\n")
+def test_validate_prints_jobs_and_shapes(tmp_path: Path, cli: Cli) -> None:
+    (tmp_path / "p.csv").write_text("prompt,width,guidance_scale,notes\na,128,,x\nb,,,y\nc,,1.0,z\n")
     path = write_spec(tmp_path, "shapes", "org/m", "p.csv", images_per_prompt=3)
-    code, out, _ = cli(capsys, "campaign", "validate", path)
+    code, out, _ = cli("campaign", "validate", path)
     assert code == 0
-    assert "campaign shapes: 2 rows from" in out and "6 jobs (3 per row), seeds 1000..1005" in out
+    assert "campaign shapes: 3 rows from" in out and "9 jobs (3 per row), seeds 1000..1008" in out
     assert "org/m 128x64 3 steps default scheduler: 3 jobs" in out and "org/m 64x64 3 steps" in out
+    assert "org/m 64x64 3 steps default scheduler cfg-free: 3 jobs" in out  # guidance <= 1: a program of its own
     assert "ignored columns (not job fields): notes" in out and out.rstrip().endswith("valid")
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\nmodel: m\noutput: o\nprompts: p.csv\nbase_seed: 0\nstep: 3\n")
-    code, _, err = cli(capsys, "campaign", "validate", bad)
+    code, _, err = cli("campaign", "validate", bad)
     assert code == 2 and f"{bad}: step=3: unknown key" in err
 
 
@@ -106,11 +100,11 @@ def write_worker_spec(tmp_path: Path, worker: dict, name: str, n: int) -> Path:
 
 
 def test_a_finished_campaign_run_again_submits_nothing(
-        worker: dict, redis_server: RedisServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        worker: dict, redis_server: RedisServer, tmp_path: Path, cli: Cli) -> None:
     redis_server.client().flushall()
     path = write_worker_spec(tmp_path, worker, "twice", 4)
     spec = load_spec(path)
-    code, out, _ = cli(capsys, "campaign", "run", path, "--wait", "--timeout", 240, "--broker", redis_server.url)
+    code, out, _ = cli("campaign", "run", path, "--wait", "--timeout", 240, "--broker", redis_server.url)
     assert code == 0, out
     assert "enqueued 8 jobs" in out and "finished: 8 done, 0 failed, 0 cancelled" in out
     storage = open_storage(str(worker["out"]))

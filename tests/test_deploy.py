@@ -1,5 +1,5 @@
 """What can be checked of the deployment files without a Docker engine or a TPU: they parse,
-the `renderfarm` commands they run are real subcommands with real flags (renderfarm.cli's
+the `renderfarm` commands they run are real subcommands with real flags (renderfarm_cli's
 own parser), and the settings the farm depends on are there (Redis persistence and its
 password, Flower auth, the GCS emulator, private compile caches owned by a non-root user, one
 systemd-managed worker per TPU host under its own narrow service account).
@@ -28,7 +28,7 @@ import redis
 import yaml
 from packaging.specifiers import SpecifierSet
 
-from renderfarm.cli import parser
+from renderfarm_cli import parser
 from tests.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,7 +52,7 @@ def subcommands(top: argparse.ArgumentParser) -> dict[str, argparse.ArgumentPars
 
 
 def check_renderfarm_args(argv: list[str], where: str) -> argparse.Namespace:
-    """Parse `renderfarm ARGV` with renderfarm.cli.parser(); fail with the parser's message."""
+    """Parse `renderfarm ARGV` with renderfarm_cli.parser(); fail with the parser's message."""
     assert argv, f"{where}: `renderfarm` without a subcommand"
     top = parser()
     known = subcommands(top)

@@ -68,7 +68,8 @@ def test_the_devices_filter_png_scanlines_as_the_host_would(family: str, request
 
 
 def test_no_recompilation_across_batches(sd_model: LoadedModel, sd_engine: Engine) -> None:
-    sd_engine.render([job(sd_model, 0)])  # compiled (or already compiled) here
+    # compiled (or already compiled) here: the guided program and the cfg-free one (scale <= 1)
+    sd_engine.render([job(sd_model, 0), job(sd_model, 1, guidance_scale=1.0)])
     events: list[str] = []
 
     def listen(event: str, *args: object, **kwargs: object) -> None:
@@ -98,7 +99,7 @@ def test_a_second_process_starts_warm(tiny_sd, tmp_path) -> None:  # noqa: ANN00
     """A second process loads the first one's saved executable; without it, it still finds
     XLA's compile in JAX's persistent cache. Both live in the private cache folder."""
     cache = tmp_path / "cache"
-    command = [sys.executable, "-m", "renderfarm.cli", "render", "a red fox", "--model", str(tiny_sd),
+    command = [sys.executable, "-m", "renderfarm_cli", "render", "a red fox", "--model", str(tiny_sd),
                "--out", str(tmp_path / "out"), "--seed", "1", "--steps", "2",
                "--compile-cache", str(cache), "--quiet"]
 

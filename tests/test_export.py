@@ -15,9 +15,10 @@ import webdataset as wds
 from PIL import Image
 
 from producer import export as export_module
-from renderfarm.cli import main
 from renderfarm.jobs import JobError
-from renderfarm.storage import Storage, image_name, open_storage
+from renderfarm.layout import image_name
+from renderfarm.storage import Storage, open_storage
+from renderfarm_cli import main
 from tests.gcs_emulator import GcsEmulator
 from tests.test_gallery import COLOURS, HOSTILE, append_raw, store_results
 

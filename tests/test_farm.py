@@ -7,6 +7,7 @@ import ast
 import dataclasses
 import io
 import json
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -18,24 +19,25 @@ from celery.result import AsyncResult
 from PIL import Image
 
 from renderfarm.jobs import JobSpec
-from renderfarm.progress import Progress
-from renderfarm.queue import TASK_NAME, queue_name
-from renderfarm.storage import (
-    Storage,
+from renderfarm.layout import (
     image_name,
     index_name,
-    open_storage,
     preview_name,
     sidecar_name,
     thumbnail_name,
 )
+from renderfarm.progress import Progress
+from renderfarm.queue import TASK_NAME, queue_name
+from renderfarm.storage import Storage, open_storage
 from tests.conftest import STEPS
 from tests.farm import (
     WorkerProcess,
     enqueue,
     farm_app,
+    jobs,
     manifest_ids,
     manifest_records,
+    wait_done,
     wait_for,
 )
 from tests.flower_process import poll, run_flower
@@ -69,16 +71,8 @@ def bucket(farm: dict, gcs: GcsEmulator) -> Storage:
     return open_storage(OUT)
 
 
-def jobs(model: Path, campaign: str, n: int, seed: int = 0) -> list[JobSpec]:
-    return [JobSpec(prompt=f"{campaign} lighthouse {i}", model=str(model), seed=seed + i, steps=STEPS,
-                    campaign=campaign, negative_prompt="blurry" if i % 3 == 0 else "",
-                    guidance_scale=2.0 + i % 4) for i in range(n)]
 
 
-def wait_done(progress: Progress, campaign: str, n: int, timeout: float = 180) -> dict:
-    wait_for(lambda: progress.status(campaign)["done"] + progress.status(campaign)["failed"] >= n,
-             timeout, f"{n} jobs of {campaign}")
-    return progress.status(campaign)
 
 
 def assert_landed_once(storage: Storage, specs: list[JobSpec]) -> None:
@@ -92,10 +86,19 @@ def assert_landed_once(storage: Storage, specs: list[JobSpec]) -> None:
     assert sorted(ids) == sorted(s.job_id for s in specs)  # each exactly once
 
 
-def test_48_jobs_over_2_workers_match_local_render(farm: dict, bucket: Storage, tiny_sd: Path,
+@pytest.fixture(scope="module")
+def c48(farm: dict, tiny_sd: Path) -> tuple[list[JobSpec], dict]:
+    """A finished campaign of 48 jobs over both workers, for the tests that look at one or
+    submit it again (whichever of them runs first renders it): its jobs and the status
+    when it finished."""
+    specs = [dataclasses.replace(spec, negative_prompt="blurry") if i % 3 == 0 else spec
+             for i, spec in enumerate(jobs(tiny_sd, "c48", 48))]
+    return enqueue(farm["app"], farm["progress"], specs), wait_done(farm["progress"], "c48", 48)
+
+
+def test_48_jobs_over_2_workers_match_local_render(farm: dict, bucket: Storage, c48: tuple[list[JobSpec], dict],
                                                    sd_engine) -> None:  # noqa: ANN001
-    specs = enqueue(farm["app"], farm["progress"], jobs(tiny_sd, "c48", 48))
-    status = wait_done(farm["progress"], "c48", 48)
+    specs, status = c48
     assert (status["done"], status["failed"], status["queued"], status["running"]) == (48, 0, 0, 0)
     assert_landed_once(bucket, specs)
     assert len(manifest_ids(bucket, "c48")) == 48
@@ -126,8 +129,9 @@ def test_flower_sees_workers_and_every_job(farm: dict, tiny_sd: Path, redis_serv
         assert flower.get("/api/tasks", credentials=False).status == 401
 
 
-def test_resubmitting_a_finished_campaign_renders_nothing(farm: dict, bucket: Storage, tiny_sd: Path) -> None:
-    specs = jobs(tiny_sd, "c48", 48)
+def test_resubmitting_a_finished_campaign_renders_nothing(farm: dict, bucket: Storage, tiny_sd: Path,
+                                                          c48: tuple[list[JobSpec], dict]) -> None:
+    specs = c48[0]
     before = {s.job_id: bucket.get(f"c48/{s.job_id}.json") for s in specs}
     enqueue(farm["app"], farm["progress"], specs)
     redis = farm["progress"].r
@@ -163,8 +167,8 @@ def test_storage_outage_is_retried(farm: dict, bucket: Storage, tiny_sd: Path, g
     gcs.stop()
     try:
         specs = enqueue(farm["app"], farm["progress"], jobs(tiny_sd, "outage", 8, seed=900))
-        wait_for(lambda: farm["progress"].status("outage")["running"] > 0, 60, "a worker to start")
-        time.sleep(4)
+        wait_for(lambda: any(re.search(r"storage: \S+ gs://\S+/outage/\S* transient error", w.log.read_text())
+                             for w in farm["workers"]), 120, "a worker to retry a store of the campaign")
         assert farm["progress"].status("outage")["done"] == 0
     finally:
         gcs.start()
@@ -215,11 +219,12 @@ def test_redis_restarted_three_times_mid_campaign(farm: dict, bucket: Storage, t
 
 
 def test_submitting_a_finished_campaign_again_enqueues_nothing(farm: dict, tiny_sd: Path, tmp_path: Path,
-                                                                redis_server: RedisServer) -> None:
+                                                                redis_server: RedisServer,
+                                                                c48: tuple[list[JobSpec], dict]) -> None:
     from producer import submit
 
     lines = tmp_path / "c48.jsonl"
-    lines.write_text("".join(json.dumps(s.to_dict()) + "\n" for s in jobs(tiny_sd, "c48", 48)))
+    lines.write_text("".join(json.dumps(s.to_dict()) + "\n" for s in c48[0]))
     again = submit(prompts_file=lines, model=str(tiny_sd), campaign="c48", broker=redis_server.url)
     assert (again.enqueued, again.already_done) == (0, 48)
 

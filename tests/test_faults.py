@@ -28,12 +28,27 @@ from celery.result import AsyncResult
 
 from renderfarm import deadletters
 from renderfarm.jobs import JobSpec
+from renderfarm.layout import image_name, sidecar_name
 from renderfarm.progress import Progress
-from renderfarm.queue import TASK_NAME, job_message, priority_list, priority_lists, queue_name, redis_priority
-from renderfarm.storage import Storage, image_name, open_storage, sidecar_name
-from tests.conftest import STEPS
+from renderfarm.queue import (
+    TASK_NAME,
+    job_message,
+    priority_list,
+    priority_lists,
+    queue_name,
+    redis_priority,
+)
+from renderfarm.storage import Storage, open_storage
+from tests.farm import (
+    WorkerProcess,
+    enqueue,
+    farm_app,
+    jobs,
+    manifest_ids,
+    wait_done,
+    wait_for,
+)
 from tests.fault_proxies import GcsProxy, Rule, TcpProxy
-from tests.farm import WorkerProcess, enqueue, farm_app, manifest_ids, wait_for
 from tests.gcs_emulator import GcsEmulator
 from tests.redis_server import RedisServer
 
@@ -81,10 +96,6 @@ def model_copy(tiny_sd: Path, tmp_path: Path, name: str) -> Path:
     return model
 
 
-def jobs(model: Path, campaign: str, n: int, seed: int = 0, **fields: Any) -> list[JobSpec]:
-    return [JobSpec(**{"prompt": f"{campaign} lighthouse {i}", "model": str(model), "seed": seed + i,
-                       "steps": STEPS, "campaign": campaign, "guidance_scale": 2.0 + i % 4, **fields})
-            for i in range(n)]
 
 
 def bucket() -> Storage:
@@ -99,10 +110,6 @@ def assert_exactly_once(specs: list[JobSpec]) -> None:
     assert sorted(manifest_ids(storage, campaign)) == sorted(s.job_id for s in specs)
 
 
-def wait_done(progress: Progress, campaign: str, n: int, timeout: float = 180) -> dict[str, Any]:
-    wait_for(lambda: progress.status(campaign)["done"] + progress.status(campaign)["failed"] >= n,
-             timeout, f"{n} jobs of {campaign}")
-    return progress.status(campaign)
 
 
 def attempts(r: redis.Redis, specs: list[JobSpec]) -> list[int]:
@@ -269,7 +276,7 @@ def test_hostile_messages_are_dead_lettered_with_reasons_and_every_good_job_land
 
 def test_dead_letters_can_be_listed_requeued_and_purged(redis_server: RedisServer, tiny_sd: Path,
                                                         capsys: pytest.CaptureFixture) -> None:
-    from renderfarm.cli import main
+    from renderfarm_cli import main
 
     r = redis_server.client()
     r.flushall()

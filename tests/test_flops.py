@@ -43,6 +43,21 @@ def test_flops_grow_with_steps_by_one_unet_call_per_step(sd_engine) -> None:  # 
     assert 0 < fixed < sd_engine.flops(short)
 
 
+def test_a_cfg_free_program_evaluates_the_unet_on_one_latent_per_job(sd_engine) -> None:  # noqa: ANN001
+    """Jobs with guidance <= 1 get a program of their own whose step is one UNet call on
+    the conditional latents alone: XLA counts one step (the loop body once), and a guided
+    step costs one more UNet call per job than a cfg-free one."""
+    guided, free = ShapeKey(64, 64, STEPS, "pndm"), ShapeKey(64, 64, STEPS, "pndm", guided=False)
+    programs = {key: program_flops(sd_engine.compiled(key)) for key in (guided, free)}
+    model = sd_engine.model
+    per_device = sd_engine.batch_size // len(sd_engine.devices)
+    latent = 64 // model.vae_scale_factor
+    one_call = unet_flops(model.networks["unet"], model.params["unet"], per_device, latent, latent)
+    saved = programs[guided] - programs[free]  # also the negative prompts' text encoding
+    assert saved >= 0.99 * one_call, (saved, one_call)
+    assert sd_engine.flops(free) < sd_engine.flops(guided) - (STEPS - 1) * one_call * len(sd_engine.devices)
+
+
 def test_program_flops_of_a_lowered_matmul() -> None:
     x = jax.ShapeDtypeStruct((64, 32), jnp.float32)
     y = jax.ShapeDtypeStruct((32, 16), jnp.float32)

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from renderfarm.flower import (
+from producer.flower import (
     ENV_AUTH,
     FlowerConfigError,
     check_flower_options,
@@ -39,11 +39,10 @@ from renderfarm.jobs import JobSpec
 from renderfarm.queue import TASK_NAME, job_message, queue_name
 from tests.celery_flower_app import create_app
 from tests.flower_process import (
+    FLOWER_COMMAND,
     ROOT,
     FlowerProcess,
     child_env,
-    cli_has_flower,
-    flower_command,
     poll,
     run_flower,
     stop_process,
@@ -184,8 +183,15 @@ def test_metrics_and_healthcheck_skip_auth(farm: Farm) -> None:
 
 def test_queue_lengths(farm: Farm) -> None:
     farm.wait_success(list(farm.jobs))
-    queues = farm.flower.api("/api/queues/length")["active_queues"]
-    assert {"name": farm.queue, "messages": 0} in queues
+
+    def listed() -> list[dict[str, Any]] | None:
+        # Flower lists the queues of the workers it has inspected: inspect them, as its
+        # dashboard's refresh does, then read the lengths.
+        farm.flower.api(f"/api/workers?refresh=true&workername={farm.worker}")
+        queues = farm.flower.api("/api/queues/length")["active_queues"]
+        return queues if any(q["name"] == farm.queue for q in queues) else None
+
+    assert {"name": farm.queue, "messages": 0} in poll(listed, f"{farm.queue} in Flower's queue lengths", 30)
 
 
 def test_long_prompt_job_keeps_its_spec_in_flower(farm: Farm) -> None:
@@ -198,7 +204,7 @@ def test_long_prompt_job_keeps_its_spec_in_flower(farm: Farm) -> None:
 
 def run_command(*args: str, **env: str | None) -> subprocess.CompletedProcess[str]:
     # A broker nobody listens on: the checks must fail before any connection is tried.
-    return subprocess.run([*flower_command(), "--broker", "redis://127.0.0.1:9/0", *args], cwd=ROOT,
+    return subprocess.run([*FLOWER_COMMAND, "--broker", "redis://127.0.0.1:9/0", *args], cwd=ROOT,
                           env=child_env(**env), capture_output=True, text=True, timeout=60)
 
 
@@ -305,11 +311,8 @@ def test_flower_argv() -> None:
 
 
 def test_cli_wiring() -> None:
-    if not cli_has_flower():
-        pytest.skip("NOT WIRED: renderfarm/cli.py does not register `flower` yet; the tests above ran it "
-                    "as `python -m renderfarm.flower`. Wire it with renderfarm.flower.register(sub).")
-    from renderfarm.cli import parser
-    from renderfarm.flower import cmd_flower
+    from producer.flower import cmd_flower
+    from renderfarm_cli import parser
 
     args = parser().parse_args(["flower", "--port", "1", "--address", "0.0.0.0", "--no-auth", "--",
                                 "--persistent=True"])

@@ -15,9 +15,10 @@ import pytest
 from PIL import Image
 
 from renderfarm import gallery
-from renderfarm.cli import main
 from renderfarm.jobs import parse_job
-from renderfarm.storage import Storage, index_name, manifest_name, open_storage, thumbnail_name
+from renderfarm.layout import index_name, manifest_name, thumbnail_name
+from renderfarm.storage import Storage, open_storage
+from renderfarm_cli import main
 from tests.conftest import STEPS
 from tests.gcs_emulator import GcsEmulator
 

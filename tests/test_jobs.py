@@ -102,7 +102,7 @@ def test_unknown_file_type(tmp_path: Path) -> None:
 
 
 def test_producer_side_imports_without_jax() -> None:
-    code = ("import sys, renderfarm.cli, renderfarm.jobs, renderfarm.storage, producer.ingest;"
+    code = ("import sys, renderfarm_cli, renderfarm.jobs, renderfarm.storage, producer.ingest;"
             "sys.exit('jax' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 

@@ -11,7 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from renderfarm.manifest import CLOCK_MARGIN_NS, FileManifest, PartsManifest, Records, open_manifest
+from renderfarm.manifest import (
+    CLOCK_MARGIN_NS,
+    FileManifest,
+    PartsManifest,
+    Records,
+    open_manifest,
+)
 from renderfarm.storage import GCSStorage, LocalStorage, open_storage
 from tests.gcs_emulator import GcsEmulator
 

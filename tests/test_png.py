@@ -12,8 +12,8 @@ from PIL import Image
 
 from renderfarm.jobs import parse_job
 from worker.engine import Batch, Rendered, ShapeKey
-from worker.png import BLOCK_BYTES, encode_png, paeth_filter
 from worker.output import result_png
+from worker.png import BLOCK_BYTES, encode_png, paeth_filter
 
 
 def decode(png: bytes) -> tuple[np.ndarray, dict[str, str]]:

@@ -4,7 +4,6 @@ submit wrote."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -12,16 +11,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from kombu.message import Message
 
-import renderfarm.cli as rf_cli
 from producer import WaitTimeout, campaign_status, submit, wait_for
-from producer.commands import register
 from producer.submit import enqueue_jobs
 from renderfarm.jobs import JobError, JobSpec
 from renderfarm.progress import Progress
@@ -34,38 +30,15 @@ from renderfarm.queue import (
 )
 from renderfarm.settings import Settings
 from tests.celery_echo_app import ECHO_KEY
+from tests.conftest import Cli
 from tests.redis_server import RedisServer
 
 REPO = Path(__file__).resolve().parents[1]
-Cli = Callable[..., tuple[int, str, str]]
 
 
 @pytest.fixture()
 def progress(redis_server: RedisServer) -> Progress:
     return Progress(redis_server.client())
-
-
-@pytest.fixture()
-def cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Cli:
-    """`renderfarm ARGS` through cli.main, with these commands registered as cli.py does
-    once it is wired (then this registers nothing)."""
-    original = rf_cli.parser
-
-    def parser() -> argparse.ArgumentParser:
-        top = original()
-        sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
-        if "submit" not in sub.choices:
-            register(sub)
-        return top
-
-    monkeypatch.setattr(rf_cli, "parser", parser)
-
-    def run(*argv: object) -> tuple[int, str, str]:
-        code = rf_cli.main([str(a) for a in argv])
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
 
 
 def drain(broker: str, queue: str) -> list[Message]:
@@ -237,6 +210,23 @@ def test_status_reports_counts_failures_and_queues_nobody_consumes(cli: Cli, bro
     code, out, _ = cli("status", "st", "--broker", broker)
     assert code == 0
     assert f"warning: {warning}" in out and f"{specs[1].job_id}: out of memory" in out
+
+
+def test_status_of_a_finished_campaign_shows_its_totals(cli: Cli, broker: str, progress: Progress) -> None:
+    submit(["a", "b", "c"], model="m", campaign="fin", seed=0, broker=broker)
+    specs = [JobSpec(prompt=p, model="m", seed=i, campaign="fin") for i, p in enumerate("abc")]
+    progress.finished([("fin", specs[0].job_id)])
+    code, out, _ = cli("status", "fin", "--broker", broker)
+    assert "ETA" in out and "finished" not in out  # two jobs still queued
+
+    progress.finished([("fin", s.job_id) for s in specs[1:]])
+    code, out, _ = cli("status", "fin", "--json", "--broker", broker)
+    report = json.loads(out)
+    assert report["finished"] and report["elapsed_seconds"] > 0
+    code, out, _ = cli("status", "fin", "--broker", broker)
+    assert code == 0
+    assert re.search(r"finished +3 images in \d+:\d\d:\d\d, [\d.]+ images/s", out), out
+    assert "rate" not in out and "ETA" not in out
 
 
 def test_cancel_sets_the_flag_and_skipped_jobs_show_cancelled(cli: Cli, broker: str, progress: Progress) -> None:

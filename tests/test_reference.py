@@ -64,6 +64,8 @@ def spec(model: LoadedModel, job: dict[str, Any]) -> JobSpec:
 def max_diffs(engine: Engine, model: LoadedModel, jobs: list[dict[str, Any]]) -> list[int]:
     jobs = [job for job in jobs if representable(job, model)]
     rendered = engine.render([spec(model, job) for job in jobs])
+    # Like PyTorch, a scale <= 1 runs no classifier-free guidance: a program of its own.
+    assert [r.key.guided for r in rendered] == [job["guidance_scale"] > 1 for job in jobs]
     return [int(np.abs(np.asarray(Image.open(ORACLE / job["image"]).convert("RGB"), np.int16)
                        - result.image.astype(np.int16)).max())
             for job, result in zip(jobs, rendered)]

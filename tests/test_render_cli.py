@@ -5,19 +5,22 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import re
 from pathlib import Path
 
 import pytest
 from PIL import Image
 
-from renderfarm.cli import main
+from renderfarm.jobs import JobError
 from renderfarm.storage import open_storage
+from renderfarm_cli import main
 from tests.conftest import STEPS
 from tests.farm import manifest_records
 from tests.gcs_emulator import GcsEmulator
+from worker.commands import parse_shapes
 
-SIDECAR_FIELDS = {"job_id", "spec", "width", "height", "scheduler", "truncated", "model", "dtype",
-                  "png_sha256", "worker", "batch", "timings", "versions"}
+SIDECAR_FIELDS = {"job_id", "spec", "width", "height", "scheduler", "classifier_free_guidance", "truncated",
+                  "model", "dtype", "png_sha256", "worker", "batch", "timings", "versions"}
 
 
 def render(*args: str) -> int:
@@ -52,6 +55,7 @@ def test_layout_sidecars_and_seeds(tiny_sd: Path, tmp_path: Path, capsys: pytest
         assert record["model"] == {"ref": str(tiny_sd), "revision": None, "variant": None, "family": "sd"}
         assert record["worker"]["device_count"] == 8 and record["batch"]["slots"] == 8
         assert (record["width"], record["height"], record["scheduler"]) == (64, 64, "pndm")
+        assert record["classifier_free_guidance"] is True  # the default scale, 7.5
         assert "diffusers" not in record["versions"] and record["versions"]["flax"] != "unknown"
 
 
@@ -59,13 +63,13 @@ def test_jsonl_jobs_and_gcs_output(tiny_sd: Path, tmp_path: Path, gcs: GcsEmulat
     gcs.create_bucket("renders")
     jobs = tmp_path / "jobs.jsonl"
     jobs.write_text('{"prompt": "a fox", "seed": 3, "guidance_scale": 2.0}\n'
-                    '{"prompt": "a dog", "scheduler": "ddim", "campaign": "dogs"}\n')
+                    '{"prompt": "a dog", "scheduler": "ddim", "campaign": "dogs", "guidance_scale": 1.0}\n')
     assert render("--prompts", str(jobs), "--model", str(tiny_sd), "--out", "gs://renders/run1",
                   "--seed", "100") == 0
     bucket = open_storage("gs://renders/run1")
     (fox,), (dog,) = (manifest_records(bucket, campaign) for campaign in ("local", "dogs"))
-    assert (fox["spec"]["seed"], fox["spec"]["guidance_scale"]) == (3, 2.0)
-    assert (dog["spec"]["seed"], dog["scheduler"]) == (101, "ddim")
+    assert (fox["spec"]["seed"], fox["spec"]["guidance_scale"], fox["classifier_free_guidance"]) == (3, 2.0, True)
+    assert (dog["spec"]["seed"], dog["scheduler"], dog["classifier_free_guidance"]) == (101, "ddim", False)
     assert bucket.exists(f"dogs/{dog['job_id']}.png") and bucket.exists(f"local/{fox['job_id']}.json")
 
 
@@ -95,3 +99,12 @@ def test_unknown_scheduler_flag_and_bad_model_folder(tmp_path: Path, capsys: pyt
     assert "--scheduler: invalid choice: 'heun'" in capsys.readouterr().err
     assert render("a fox", "--model", str(tmp_path), "--out", str(tmp_path / "o")) == 2
     assert "must be a diffusers pipeline folder (no model_index.json found)" in capsys.readouterr().err
+
+
+def test_precompile_shapes_name_their_scheduler_and_guidance() -> None:
+    assert parse_shapes("512x512@25,768x512@30:dpm,1024x1024@4:euler:cfg-free,64x64@2:cfg-free") == [
+        (512, 512, 25, None, True), (768, 512, 30, "dpm", True), (1024, 1024, 4, "euler", False),
+        (64, 64, 2, None, False)]
+    for bad in ("64x64", "64x64@2:heun", "64x64@2:dpm:ddim", "64x64@2:cfg-free:cfg-free", "64x64@2:cfg"):
+        with pytest.raises(JobError, match=re.escape(f"precompile={bad!r}: must be WIDTHxHEIGHT@STEPS")):
+            parse_shapes(bad)

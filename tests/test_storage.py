@@ -1,4 +1,4 @@
-"""Tests for renderfarm.storage against the local filesystem and a real GCS emulator."""
+"""renderfarm.storage (and its layout and retries) against the local filesystem and a real GCS emulator."""
 
 from __future__ import annotations
 
@@ -12,16 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from renderfarm import storage as st
-from renderfarm.storage import (
-    GCSStorage,
-    LocalStorage,
-    RetryPolicy,
-    image_name,
-    manifest_name,
-    open_storage,
-    sidecar_name,
-)
+from renderfarm.layout import image_name, manifest_name, sidecar_name
+from renderfarm.retry import RetryPolicy, is_transient_error
+from renderfarm.storage import GCSStorage, LocalStorage, make_gcs_client, open_storage
+from renderfarm.storage import local as local_backend
 from tests.gcs_emulator import GcsEmulator, create_bucket
 
 FAST_RETRY = RetryPolicy(attempts=6, base_delay=0.05, max_delay=1.0)
@@ -182,7 +176,7 @@ def test_emulator_enforces_preconditions(gcs):
     from google.api_core.exceptions import PreconditionFailed
 
     bucket = _new_bucket(gcs)
-    client = st.make_gcs_client()
+    client = make_gcs_client()
     blob = client.bucket(bucket).blob("obj")
     blob.upload_from_string(b"one", if_generation_match=0)
     with pytest.raises(PreconditionFailed):
@@ -197,7 +191,7 @@ def test_emulator_enforces_preconditions(gcs):
         )
     assert client.bucket(bucket).blob("obj").download_as_bytes() == b"one"
     # ... and our put does not treat 412 as transient
-    assert not st.is_transient_error(PreconditionFailed("x"))
+    assert not is_transient_error(PreconditionFailed("x"))
 
 
 # --------------------------------------------------------------------------- transient errors
@@ -238,7 +232,7 @@ def test_gcs_outage_is_retried(tmp_path, monkeypatch):
         t0 = time.monotonic()
         with pytest.raises(Exception) as ei:
             s.put("c/never.png", b"x", "image/png")
-        assert st.is_transient_error(ei.value)
+        assert is_transient_error(ei.value)
         assert time.monotonic() - t0 < 5
 
 
@@ -289,7 +283,7 @@ def test_local_transient_oserror_retried(tmp_path, monkeypatch):
             raise OSError(errno.EIO, "I/O error")
         return real(src, dst)
 
-    monkeypatch.setattr(st.os, "replace", flaky)
+    monkeypatch.setattr(local_backend.os, "replace", flaky)
     s.put("c/x.png", b"data", "image/png")
     assert s.get("c/x.png") == b"data"
     assert calls["n"] == 3
@@ -311,9 +305,9 @@ def test_is_transient_error_classification():
         ConnectionRefusedError(),
         TimeoutError(),
     ]:
-        assert st.is_transient_error(exc), exc
+        assert is_transient_error(exc), exc
     for exc in [gexc.PreconditionFailed("x"), gexc.NotFound("x"), gexc.Forbidden("x"), ValueError(), FileNotFoundError()]:
-        assert not st.is_transient_error(exc), exc
-    assert st.is_transient_error(OSError(5, "EIO"), local=True)
-    assert not st.is_transient_error(FileNotFoundError(2, "x"), local=True)
-    assert not st.is_transient_error(PermissionError(13, "x"), local=True)
+        assert not is_transient_error(exc), exc
+    assert is_transient_error(OSError(5, "EIO"), local=True)
+    assert not is_transient_error(FileNotFoundError(2, "x"), local=True)
+    assert not is_transient_error(PermissionError(13, "x"), local=True)

@@ -19,10 +19,11 @@ from urllib.parse import quote
 import pytest
 
 from renderfarm.jobs import JobSpec
+from renderfarm.layout import image_name, sidecar_name
 from renderfarm.progress import Progress
 from renderfarm.queue import make_app
 from renderfarm.settings import Settings, redacted
-from renderfarm.storage import image_name, open_storage, sidecar_name
+from renderfarm.storage import open_storage
 from tests.conftest import STEPS
 from tests.farm import WorkerProcess, enqueue, farm_app, wait_for
 from tests.redis_server import RedisServer
@@ -145,7 +146,7 @@ def test_status_error_names_the_host_not_the_password(broker_server: Broker, por
         broker_server.needs_tls()
     redis_server = broker_server.server
     url = (redis_server.url if port == "plain" else redis_server.tls_url).replace(PASSWORD, wrong)
-    result = subprocess.run([sys.executable, "-m", "renderfarm.cli", "status", "somecampaign", "--broker", url],
+    result = subprocess.run([sys.executable, "-m", "renderfarm_cli", "status", "somecampaign", "--broker", url],
                             cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 1, result.stderr
     number = redis_server.port if port == "plain" else redis_server.tls_port

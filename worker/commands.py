@@ -1,39 +1,51 @@
-"""`renderfarm worker`: load and compile the model, then consume its queue in batches."""
+"""The worker side's commands: `renderfarm worker` (load and compile the model, then consume its
+queue in batches), `render` (the same engine in this process, no broker) and `tiny-model`.
+Handlers import JAX when they run, not before."""
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import os
 import re
 import time
 
+from renderfarm.flags import broker_flag, job_defaults, job_flags
 from renderfarm.jobs import DTYPES, SCHEDULERS, JobError
 
-SHAPE_RE = re.compile(r"(\d+)x(\d+)@(\d+)(?::(\w+))?")
+SHAPE_RE = re.compile(r"(\d+)x(\d+)@(\d+)((?::[\w-]+)*)")
+CFG_FREE = "cfg-free"  # a --precompile option: the program of jobs with guidance <= 1
+SHAPE_RULE = f"must be WIDTHxHEIGHT@STEPS[:SCHEDULER][:{CFG_FREE}], comma-separated"
 
 
-def parse_shapes(text: str) -> list[tuple[int, int, int, str | None]]:
-    """`512x512@25,768x512@30:dpm` -> [(512, 512, 25, None), (768, 512, 30, "dpm")]."""
+def parse_shapes(text: str) -> list[tuple[int, int, int, str | None, bool]]:
+    """`512x512@25,768x512@30:dpm,1024x1024@4:euler:cfg-free` ->
+    [(512, 512, 25, None, True), (768, 512, 30, "dpm", True), (1024, 1024, 4, "euler", False)]:
+    width, height, steps, scheduler, guided."""
     shapes = []
     for part in filter(None, text.split(",")):
         match = SHAPE_RE.fullmatch(part.strip())
-        if not match or (match[4] and match[4] not in SCHEDULERS):
-            raise JobError("precompile", part, "must be WIDTHxHEIGHT@STEPS[:SCHEDULER], comma-separated")
-        shapes.append((int(match[1]), int(match[2]), int(match[3]), match[4]))
+        options = match[4].split(":")[1:] if match else []
+        schedulers = [o for o in options if o != CFG_FREE]
+        if not match or len(schedulers) > 1 or options.count(CFG_FREE) > 1 or not set(schedulers) <= set(SCHEDULERS):
+            raise JobError("precompile", part, SHAPE_RULE)
+        shapes.append((int(match[1]), int(match[2]), int(match[3]), schedulers[0] if schedulers else None,
+                       CFG_FREE not in options))
     return shapes
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
     from celery.apps.worker import Worker
 
-    from renderfarm.jobs import JobSpec
+    from renderfarm.jobs import parse_job
     from renderfarm.progress import Progress
     from renderfarm.queue import make_app, queue_name
+    from renderfarm.retry import RetryPolicy
     from renderfarm.settings import Settings
-    from renderfarm.storage import RetryPolicy, open_storage
+    from renderfarm.storage import open_storage
     from worker.broker import transport_for
-    from worker.engine import Engine, StandInEngine, enable_compilation_cache
+    from worker.engine import Engine, enable_compilation_cache
     from worker.executables import ExecutableStore
     from worker.farm import Batcher, Processor, drain_step, node_name, render_task
     from worker.models import load_model
@@ -46,14 +58,17 @@ def cmd_worker(args: argparse.Namespace) -> int:
     model = load_model(args.model, args.dtype, args.variant)
     log = logging.getLogger("renderfarm.worker")
     log.info("%s (%s) loaded in %.1fs", model.ref, model.dtype, time.perf_counter() - started)
-    engine = (Engine(model, per_device_batch=args.per_device_batch, max_programs=args.max_programs,
-                     executables=ExecutableStore(cache / "executables", max_bytes=args.compile_cache_max_gb * 2**30))
-              if args.stand_in is None
-              else StandInEngine(model, args.stand_in, per_device_batch=args.per_device_batch))
-    for width, height, steps, scheduler in shapes:
+    engine = Engine(model, per_device_batch=args.per_device_batch, max_programs=args.max_programs,
+                    executables=ExecutableStore(cache / "executables", max_bytes=args.compile_cache_max_gb * 2**30))
+    for width, height, steps, scheduler, guided in shapes:
         started = time.perf_counter()
-        key = engine.check(JobSpec(prompt="-", model=model.ref, seed=0, steps=steps, width=width,
-                                   height=height, scheduler=scheduler, dtype=args.dtype, variant=args.variant))
+        shape = {"prompt": "-", "model": model.ref, "seed": 0, "steps": steps, "width": width, "height": height,
+                 "scheduler": scheduler, "guidance_scale": 7.5 if guided else 1.0, "dtype": args.dtype,
+                 "variant": args.variant}
+        try:
+            key = engine.check(parse_job(shape, size_step=model.size_step))
+        except JobError as err:
+            raise JobError("precompile", f"{width}x{height}@{steps}", str(err)) from None
         engine.compiled(key)
         log.info("%s ready in %.1fs", key, time.perf_counter() - started)
     # Outages longer than the default retry window must not fail jobs: keep trying ~5 min.
@@ -85,42 +100,103 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return worker.exitcode or 0
 
 
+def cmd_render(args: argparse.Namespace) -> int:
+    from producer.ingest import build_jobs, prompt_rows
+    from renderfarm.storage import open_storage
+
+    rows = prompt_rows(args.prompts_args, args.prompts)
+    first = list(itertools.islice(rows, 1))
+    if not first:
+        raise JobError("prompts", None, "give at least one PROMPT or --prompts FILE")
+    from worker.engine import Engine, enable_compilation_cache
+    from worker.executables import ExecutableStore
+    from worker.local import render_to_storage
+    from worker.models import load_model
+
+    cache = enable_compilation_cache(args.compile_cache)
+    model = load_model(args.model, args.dtype, args.variant)
+    specs = list(build_jobs(itertools.chain(first, rows), job_defaults(args), args.seed, model.size_step))
+    storage = open_storage(args.out, durable=False)  # nothing is acked on it
+    engine = Engine(model, per_device_batch=args.per_device_batch, executables=ExecutableStore(cache / "executables"))
+    report = render_to_storage(specs, engine, storage, progress=not args.quiet, store_threads=args.store_threads)
+    for campaign in report.campaigns:
+        print(f"wrote {sum(s.campaign == campaign for s in specs)} images to {storage.url(campaign)}/ "
+              f"(manifest: {storage.url(campaign + '/manifest.jsonl')})")
+    print(f"{report.images} images in {report.render_seconds:.2f}s after compile: "
+          f"{report.images_per_second:.2f} images/s on {len(engine.devices)} "
+          f"{engine.devices[0].device_kind} devices (batch {engine.batch_size}); "
+          f"compile {report.compile_seconds:.1f}s ({report.programs} programs: {report.loaded} saved "
+          f"executables loaded, {report.cache_hits} from the persistent cache)")
+    return 0
+
+
+def cmd_tiny_model(args: argparse.Namespace) -> int:
+    from worker.families import FAMILIES
+    from worker.tiny import build_tiny_model
+
+    if args.kind not in FAMILIES:
+        raise JobError("kind", args.kind, f"must be one of {', '.join(FAMILIES)}")
+    path = build_tiny_model(args.dir, kind=args.kind, seed=args.seed)
+    print(f"tiny {args.kind} model written to {path}")
+    return 0
+
+
 def store_threads_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store-threads", type=int, metavar="N",
                         help="threads that PNG-encode and store finished images while the devices "
                              "render (default: one per core, 2 to 8)")
 
 
+def compile_cache_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--compile-cache", default=os.environ.get("RENDERFARM_COMPILE_CACHE"), metavar="DIR",
+                        help="compiled programs' folder (default: $RENDERFARM_COMPILE_CACHE or "
+                             "~/.cache/renderfarm/jax); it must be the worker user's alone")
+
+
 def register(sub: argparse._SubParsersAction) -> None:
+    tiny = sub.add_parser("tiny-model", help="build a tiny random-weight pipeline (tests, demos)")
+    tiny.add_argument("dir", help="the folder to write it to")
+    tiny.add_argument("--kind", default="sd", help="the model family, as worker/families names it (default sd)")
+    tiny.add_argument("--seed", type=int, default=0, help="the weights' seed: the same seed, the same files (default 0)")
+    tiny.set_defaults(handler=cmd_tiny_model)
+
+    render = sub.add_parser("render", help="render jobs in this process (no broker)")
+    job_flags(render)
+    render.add_argument("--out", required=True, help="local folder or gs://bucket/prefix")
+    render.add_argument("--per-device-batch", type=int, default=1, metavar="N",
+                        help="jobs per device in a batch (a batch is devices x N jobs; default 1)")
+    store_threads_flag(render)
+    compile_cache_flag(render)
+    render.add_argument("--quiet", action="store_true", help="no progress bar")
+    render.set_defaults(handler=cmd_render)
+
     worker = sub.add_parser("worker", help="serve a model's queue: render jobs in batches, store them")
     worker.add_argument("--model", required=True, help="hub id[@revision], local folder or gs:// folder")
     worker.add_argument("--out", required=True, help="local folder or gs://bucket/prefix")
-    worker.add_argument("--dtype", choices=DTYPES, default="float32")
+    worker.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default float32)")
     worker.add_argument("--variant", help="the model's weights variant, e.g. fp16 (its *.fp16.safetensors files); "
                                           "jobs name it too")
-    worker.add_argument("--per-device-batch", type=int, default=1)
-    worker.add_argument("--max-wait", type=float, default=2.0,
+    worker.add_argument("--per-device-batch", type=int, default=1, metavar="N",
+                        help="jobs per device in a batch (a batch is devices x N jobs; default 1)")
+    worker.add_argument("--max-wait", type=float, default=2.0, metavar="SECONDS",
                         help="seconds a partial batch waits for more jobs while the devices are busy "
-                             "(idle devices take it once no job has come for 50 ms)")
+                             "(default 2; idle devices take it once no job has come for 50 ms)")
     store_threads_flag(worker)
-    worker.add_argument("--broker", help="default: $RENDERFARM_BROKER_URL or redis://localhost:6379/0")
-    worker.add_argument("--precompile", metavar="WxH@STEPS[:SCHED],...",
-                        help="shapes to compile before consuming anything")
-    worker.add_argument("--node-name", help="Celery node name (default: renderfarm-PID@HOST)")
-    worker.add_argument("--compile-cache", default=os.environ.get("RENDERFARM_COMPILE_CACHE"),
-                        help="compiled programs' folder (default: $RENDERFARM_COMPILE_CACHE or "
-                             "~/.cache/renderfarm/jax); it must be the worker user's alone")
-    worker.add_argument("--compile-cache-max-gb", type=float,
+    broker_flag(worker)
+    worker.add_argument("--precompile", metavar=f"WxH@STEPS[:SCHED][:{CFG_FREE}],...",
+                        help="shapes to compile before consuming anything (default: none; others compile "
+                             f"when their first jobs come); :{CFG_FREE} is the program of jobs with "
+                             "guidance <= 1")
+    worker.add_argument("--node-name", metavar="NAME", help="Celery node name (default: renderfarm-PID@HOST)")
+    compile_cache_flag(worker)
+    worker.add_argument("--compile-cache-max-gb", type=float, metavar="GB",
                         default=float(os.environ.get("RENDERFARM_COMPILE_CACHE_MAX_GB", 10)),
                         help="size cap of JAX's cache and of the saved executables, each; least "
                              "recently used entries go first (default 10)")
     worker.add_argument("--max-programs", type=int, metavar="N",
                         help="compiled shapes kept in memory, least recently used evicted (default: "
                              "sized for device memory; 16 where the backend reports none)")
-    worker.add_argument("--drain-seconds", type=float, default=25.0,
+    worker.add_argument("--drain-seconds", type=float, default=25.0, metavar="SECONDS",
                         help="on SIGTERM, seconds to finish and store what is rendering before the "
                              "rest goes back on the queue (default 25: inside a spot VM's 30 s notice)")
-    worker.add_argument("--stand-in", type=float, metavar="SECONDS",
-                        help="benchmark the control plane: no rendering, each batch sleeps SECONDS "
-                             "and stores blank images")
     worker.set_defaults(handler=cmd_worker)

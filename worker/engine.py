@@ -45,9 +45,10 @@ class ShapeKey:
     height: int
     steps: int
     scheduler: str
+    guided: bool = True  # classifier-free guidance (scale > 1); else one UNet call a step
 
     def __str__(self) -> str:
-        return f"{self.width}x{self.height}@{self.steps} {self.scheduler}"
+        return f"{self.width}x{self.height}@{self.steps} {self.scheduler}{'' if self.guided else ' cfg-free'}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +124,7 @@ class InFlight:
     specs: list[JobSpec]
     indices: list[int]  # positions in the list the batch was cut from
     key: ShapeKey
-    output: Output  # of jax.Arrays still computing (or a stand-in's _Pending)
+    output: Output  # of jax.Arrays still computing (or a benchmark's stand-in for them)
     truncated: list[bool]
     started: float
     seq: int
@@ -165,21 +166,17 @@ class Engine:
     # -- validation and grouping -------------------------------------------------------
 
     def check(self, spec: JobSpec) -> ShapeKey:
-        """The worker-side rules that need the model; returns the job's shape key."""
+        """The worker-side rules that need the model (the size step is parse_job's, given the
+        model's `size_step`); returns the job's shape key."""
         if spec.model != self.model.ref:
             raise JobError("model", spec.model, f"this engine serves {self.model.ref!r}")
         if spec.dtype != self.model.dtype:
             raise JobError("dtype", spec.dtype, f"this engine runs {self.model.dtype}")
         if spec.variant != self.model.variant:
             raise JobError("variant", spec.variant, f"this engine serves the weights variant {self.model.variant!r}")
-        step = self.model.size_step
-        for field in ("width", "height"):
-            value = getattr(spec, field)
-            if value is not None and value % step:
-                raise JobError(field, value, f"must be a multiple of {step} (the model's size step)")
         native = self.model.native_size
         return ShapeKey(spec.width or native, spec.height or native, spec.steps,
-                        spec.scheduler or self.model.default_scheduler)
+                        spec.scheduler or self.model.default_scheduler, guided=spec.guidance_scale > 1)
 
     def plan(self, specs: Sequence[JobSpec]) -> list[tuple[ShapeKey, list[int]]]:
         """Group job indices by shape key (first-seen order) and cut them into batches."""
@@ -250,7 +247,7 @@ class Engine:
                 self._flops[key] = saved[1]["flops"]
                 return saved[0]
         fn = partial(self.model.family.generate, self.model.networks, self._scheduler(key.scheduler),
-                     Static(key.height, key.width, key.steps))
+                     Static(key.height, key.width, key.steps, key.guided))
         # Each device runs the per-device program on its slice of the batch, as pmap
         # would; check_vma=False because the scheduler's state starts out unvarying.
         fn = jax.shard_map(fn, mesh=self._sharded.mesh, in_specs=(REPLICATED, BATCH),
@@ -283,9 +280,10 @@ class Engine:
 
     def _count_flops(self, key: ShapeKey, compiled: Any) -> float | None:
         """XLA counts the per-device program, its denoising loop once: add the other steps'
-        UNet calls (batch 2 per job: classifier-free guidance), then all devices."""
+        UNet calls (batch 2 per job with classifier-free guidance, else 1), then all devices."""
         f, per_device = self.model.vae_scale_factor, self.batch_size // len(self.devices)
-        step = unet_flops(self.model.networks["unet"], self._params["unet"], 2 * per_device,
+        halves = 2 if key.guided else 1
+        step = unet_flops(self.model.networks["unet"], self._params["unet"], halves * per_device,
                           key.height // f, key.width // f)
         per_device_flops = denoise_flops(program_flops(compiled), step, key.steps)
         return None if per_device_flops is None else per_device_flops * len(self.devices)
@@ -362,41 +360,3 @@ class Engine:
         """All jobs, in the order given, padding dropped."""
         done = [r for batch in self.iter_render(specs) for r in batch]
         return sorted(done, key=lambda r: r.index)
-
-
-class _Pending:
-    """Blank images that a stand-in device finishes at `ready_at` (time.monotonic()):
-    like a jax.Array being computed, it blocks only when its pixels are read."""
-
-    def __init__(self, shape: tuple[int, ...], ready_at: float) -> None:
-        self.shape, self.ready_at = shape, ready_at
-
-    def is_ready(self) -> bool:
-        return time.monotonic() >= self.ready_at
-
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        time.sleep(max(0.0, self.ready_at - time.monotonic()))
-        return np.zeros(self.shape, dtype or np.uint8)
-
-
-class StandInEngine(Engine):
-    """Benchmarks the control plane: the engine's validation, batching and output, but a
-    batch "renders" in a fixed time on a device that does one batch after another (an
-    accelerator that is never slow to answer); dispatch returns at once, as JAX's does,
-    and the images are blank."""
-
-    def __init__(self, model: LoadedModel, seconds_per_batch: float, per_device_batch: int = 1,
-                 devices: Sequence[jax.Device] | None = None) -> None:
-        super().__init__(model, per_device_batch, devices)
-        self.seconds_per_batch = seconds_per_batch
-        self._busy_until = 0.0  # when the stand-in device finishes its last batch
-
-    def compiled(self, key: ShapeKey) -> None:
-        return None
-
-    def dispatch(self, key: ShapeKey, jobs: list[JobSpec]) -> tuple[Output, list[bool]]:
-        self._busy_until = max(time.monotonic(), self._busy_until) + self.seconds_per_batch
-        # Blank rows under PNG filter type 0 (none) are blank scanlines.
-        shape = (self.batch_size, key.height, key.width, 3)
-        scanlines = (self.batch_size, key.height, 1 + key.width * 3)
-        return Output(_Pending(shape, self._busy_until), _Pending(scanlines, self._busy_until)), [False] * len(jobs)

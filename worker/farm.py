@@ -42,10 +42,11 @@ from kombu.utils.json import dumps
 from renderfarm import deadletters
 from renderfarm.gallery import Refresher
 from renderfarm.jobs import JobError, JobSpec, parse_job
+from renderfarm.layout import MANIFEST_BASENAME, sidecar_name
 from renderfarm.progress import Progress
 from renderfarm.queue import TASK_NAME
 from renderfarm.settings import Settings
-from renderfarm.storage import MANIFEST_BASENAME, Storage, sidecar_name
+from renderfarm.storage import Storage
 from worker.engine import Engine, InFlight, Rendered, ShapeKey
 from worker.flops import describe_rate
 from worker.output import BatchWriter

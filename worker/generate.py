@@ -5,9 +5,10 @@ these; the engine jits the family's `generate` with everything static bound firs
 The loop is diffusers' PyTorch pipelines' (StableDiffusionPipeline and the XL one), the
 reference our images are held to, with two changes the job contract needs: each job's
 initial latents come from its own seed, and guidance is one value per job (shape (B,)), so
-prompts, negatives, seeds and guidance never change the compiled program. PyTorch runs no
-classifier-free guidance for a guidance scale <= 1; here such a job still evaluates both
-halves (one program per shape) and takes the conditional one, which is what PyTorch gets.
+prompts, negatives, seeds and guidance never change the compiled program. Like PyTorch,
+jobs with a guidance scale <= 1 run no classifier-free guidance: they have programs of their
+own (`Static.guided` is False) that encode no negative prompt and evaluate the UNet once a
+step on the conditional input alone, half the work of a guided step.
 
 Each program returns the images and their PNG scanlines: the byte-wise half of PNG encoding
 (the Paeth filter) costs the devices next to nothing and the host's cores a pass per image,
@@ -50,6 +51,7 @@ class Static(NamedTuple):
     height: int
     width: int
     steps: int
+    guided: bool  # classifier-free guidance: every job's scale > 1
 
 
 def initial_latents(keys: jax.Array, shape: tuple[int, int, int]) -> jax.Array:
@@ -61,22 +63,25 @@ def initial_latents(keys: jax.Array, shape: tuple[int, int, int]) -> jax.Array:
 def denoise(unet: UNet2DConditionModel, unet_params: Any, scheduler: Scheduler, static: Static,
             latent_shape: tuple[int, int, int], inputs: Inputs, context: jax.Array,
             added: Mapping[str, jax.Array] | None) -> jax.Array:
-    """The sampling loop of diffusers' PyTorch pipelines with classifier-free guidance per
-    job: `context` (and `added`) hold the unconditional half first, then the conditional.
-    Latents and the scheduler's state stay float32 whatever the UNet computes in."""
+    """The sampling loop of diffusers' PyTorch pipelines. Guided, `context` (and `added`)
+    hold the unconditional half first, then the conditional, and each job has its own
+    scale; unguided, they hold the conditional input alone. Latents and the scheduler's
+    state stay float32 whatever the UNet computes in."""
     latents = initial_latents(inputs.keys, latent_shape)
     state = scheduler.set_timesteps(static.steps, latents.shape)  # host side: constants
     latents = latents * state.init_noise_sigma
-    # PyTorch skips guidance when the scale is <= 1: that is the conditional half alone.
-    guidance = jnp.where(inputs.guidance > 1, inputs.guidance, 1.0).astype(jnp.float32)[:, None, None, None]
+    halves = 2 if static.guided else 1
+    guidance = inputs.guidance.astype(jnp.float32)[:, None, None, None]
 
     def body(i: jax.Array, carry: tuple[jax.Array, Any]) -> tuple[jax.Array, Any]:
         latents, state = carry
-        both = scheduler.scale_model_input(state, jnp.concatenate([latents] * 2), i)
-        t = jnp.broadcast_to(state.timesteps[i], both.shape[:1])
-        noise = unet.apply({"params": unet_params}, both, t, context, added).astype(jnp.float32)
-        uncond, text = jnp.split(noise, 2)
-        return scheduler.step(state, uncond + guidance * (text - uncond), i, latents)
+        model_input = scheduler.scale_model_input(state, jnp.concatenate([latents] * halves), i)
+        t = jnp.broadcast_to(state.timesteps[i], model_input.shape[:1])
+        noise = unet.apply({"params": unet_params}, model_input, t, context, added).astype(jnp.float32)
+        if static.guided:
+            uncond, text = jnp.split(noise, 2)
+            noise = uncond + guidance * (text - uncond)
+        return scheduler.step(state, noise, i, latents)
 
     latents, _ = jax.lax.fori_loop(0, state.timesteps.shape[0], body, (latents, state))
     return latents

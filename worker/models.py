@@ -23,20 +23,16 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
+from renderfarm.jobs import DTYPES as JOB_DTYPES
 from renderfarm.jobs import SCHEDULERS, JobError, check_variant
 from renderfarm.storage import open_storage
-from worker.families import Family, Networks, detect
+from worker.families import detect
+from worker.family import Family, Networks
+from worker.schedulers import CLASS_NAMES
 from worker.tokenizer import CLIPTokenizer, TokenizerError
 from worker.weights import load_weights
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-# The job contract's scheduler names of the scheduler classes model folders name (PyTorch, Flax).
-SCHEDULER_NAMES = {
-    cls: name for name, classes in {
-        "pndm": ("PNDMScheduler",), "ddim": ("DDIMScheduler",), "lms": ("LMSDiscreteScheduler",),
-        "euler": ("EulerDiscreteScheduler",), "dpm": ("DPMSolverMultistepScheduler",),
-    }.items() for base in classes for cls in (base, f"Flax{base}")
-}
+DTYPES = {name: jnp.dtype(name) for name in JOB_DTYPES}
 # What a hub snapshot needs: configs, tokenizer files and weights; never a pickle.
 HUB_CONFIGS = ["*.json", "*.txt"]
 
@@ -73,10 +69,10 @@ class LoadedModel:
     def default_scheduler(self) -> str:
         """The job contract's name of the model's own scheduler."""
         name = self.configs["scheduler"].get("_class_name")
-        if name not in SCHEDULER_NAMES:
+        if name not in CLASS_NAMES:
             raise JobError("scheduler", None, f"the model's own scheduler is {name!r}, which the farm does not "
                                               f"run: name one of {', '.join(SCHEDULERS)}")
-        return SCHEDULER_NAMES[name]
+        return CLASS_NAMES[name]
 
 
 def split_ref(ref: str) -> tuple[str, str | None]:

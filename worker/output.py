@@ -26,8 +26,9 @@ from PIL import Image
 
 from renderfarm.gallery import store_thumbnail
 from renderfarm.jobs import JobError
+from renderfarm.layout import image_name, sidecar_name
 from renderfarm.manifest import open_manifest
-from renderfarm.storage import Storage, image_name, sidecar_name
+from renderfarm.storage import Storage
 from worker.engine import Rendered
 from worker.models import LoadedModel
 from worker.png import encode_png
@@ -64,6 +65,7 @@ def sidecar(result: Rendered, model: LoadedModel, png: bytes, devices: list[jax.
         "width": key.width,
         "height": key.height,
         "scheduler": key.scheduler,
+        "classifier_free_guidance": key.guided,
         "truncated": result.truncated,
         "model": {"ref": model.ref, "revision": model.revision, "variant": model.variant,
                   "family": model.family.name},

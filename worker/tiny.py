@@ -19,9 +19,9 @@ import numpy as np
 from flax.serialization import msgpack_serialize
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from worker.families import families
+from worker.families import FAMILIES
 
-KINDS = ("sd", "sdxl")
+KINDS = tuple(FAMILIES)
 
 _MAX_LENGTH = 77  # CLIP's context length; every real SD tokenizer pads to it.
 _TEXT_HIDDEN = 32  # hidden size (and SDXL projection_dim) of each tiny CLIP text encoder
@@ -128,7 +128,7 @@ def build_tiny_model(out_dir: str | os.PathLike, kind: str = "sd", seed: int = 0
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     out = pathlib.Path(out_dir)
-    family = families()[kind]
+    family = FAMILIES[kind]
     vocab = _tokenizer_files(out / "tokenizer", pad=_EOS)
     configs = {"text_encoder": _text_config(vocab), "unet": _unet_config(kind), "vae": _vae_config(kind)}
     scheduler = ({"_class_name": "PNDMScheduler", **_SD_BETAS, "skip_prk_steps": True, "set_alpha_to_one": False,

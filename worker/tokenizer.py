@@ -22,7 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tokenizers import AddedToken, Regex, Tokenizer, normalizers, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 from tokenizers.models import BPE
 
 # transformers 5.23 `CLIPTokenizer.__init__`, verbatim.

@@ -53,7 +53,12 @@ from diffusers import (
 )
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    CLIPTokenizer,
+)
 
 from tests.oracle.tokenizer import bytes_to_unicode
 

@@ -1,4 +1,5 @@
-"""Model families: what the engine knows of a kind of model, one module each.
+"""Model families: what the engine knows of a kind of model, one module each (worker/family.py
+says what a family is).
 
 A family says which components a pipeline folder holds (their networks, config classes and
 checkpoint naming), which tokenizers, which pipeline classes it answers to in
@@ -10,57 +11,21 @@ plus what its checkpoints need in worker/convert.py.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-import flax.linen as nn
-
 from renderfarm.jobs import JobError
+from worker.families import sd, sdxl
+from worker.family import Family
 
-
-@dataclasses.dataclass(frozen=True)
-class Component:
-    """A network of a pipeline folder: its class, its config class (`from_dict`) and how its
-    checkpoints name their tensors (a worker.convert kind)."""
-
-    module: type[nn.Module]
-    config: Any
-    kind: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Networks:
-    """A model's networks and pipeline options: everything of it a compiled program is
-    specialised on besides the weights (hashable, so the engine can bind it statically)."""
-
-    modules: tuple[tuple[str, nn.Module], ...]
-    force_zeros_for_empty_prompt: bool = True
-
-    def __getitem__(self, name: str) -> nn.Module:
-        return dict(self.modules)[name]
-
-
-@dataclasses.dataclass(frozen=True)
-class Family:
-    name: str
-    pipelines: tuple[str, ...]  # model_index.json `_class_name`s (PyTorch and Flax)
-    components: Mapping[str, Component]
-    tokenizers: tuple[str, ...]  # tokenizer folders, one per text encoder, in order
-    generate: Callable[..., Any]  # (networks, scheduler, static, params, inputs) -> Output
-
-
-def families() -> dict[str, Family]:
-    from worker.families import sd, sdxl
-
-    return {family.name: family for family in (sd.FAMILY, sdxl.FAMILY)}
+FAMILIES: dict[str, Family] = {family.name: family for family in (sd.FAMILY, sdxl.FAMILY)}
 
 
 def detect(ref: str, model_index: Mapping[str, Any]) -> Family:
     """The family of a pipeline folder, from its model_index.json's `_class_name`."""
     name = model_index.get("_class_name")
-    for family in families().values():
+    for family in FAMILIES.values():
         if name in family.pipelines:
             return family
-    known = sorted(p for family in families().values() for p in family.pipelines)
+    known = sorted(p for family in FAMILIES.values() for p in family.pipelines)
     raise JobError("model", ref, f"is a {name!r} pipeline; the farm renders {', '.join(known)}")

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from worker.families import Component, Family, Networks
+from worker.family import Component, Family, Networks
 from worker.generate import Inputs, Output, Static, decode, denoise
 from worker.nn.clip import CLIPTextConfig, CLIPTextModel
 from worker.nn.unet import UNet2DConditionModel, UNetConfig
@@ -22,7 +22,9 @@ def generate(nets: Networks, scheduler: Scheduler, static: Static, params: Any, 
     def encode(ids: jax.Array) -> jax.Array:
         return encoder.apply({"params": params["text_encoder"]}, ids[:, 0]).last_hidden_state
 
-    context = jnp.concatenate([encode(inputs.negative_ids), encode(inputs.prompt_ids)])
+    context = encode(inputs.prompt_ids)
+    if static.guided:
+        context = jnp.concatenate([encode(inputs.negative_ids), context])
     f = vae.config.scale_factor
     latents = denoise(unet, params["unet"], scheduler, static,
                       (unet.config.in_channels, static.height // f, static.width // f), inputs, context, None)

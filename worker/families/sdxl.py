@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from worker.families import Component, Family, Networks
+from worker.family import Component, Family, Networks
 from worker.generate import Inputs, Output, Static, decode, denoise
 from worker.nn.clip import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 from worker.nn.unet import UNet2DConditionModel, UNetConfig
@@ -28,20 +28,23 @@ def generate(nets: Networks, scheduler: Scheduler, static: Static, params: Any, 
         two = second.apply({"params": params["text_encoder_2"]}, ids[:, 1])
         return jnp.concatenate([one.penultimate, two.penultimate], axis=-1), two.text_embeds
 
-    cond, pooled = encode(inputs.prompt_ids)
-    negative, negative_pooled = encode(inputs.negative_ids)
-    if nets.force_zeros_for_empty_prompt:
-        keep = inputs.has_negative
-        negative = jnp.where(keep[:, None, None], negative, 0)
-        negative_pooled = jnp.where(keep[:, None], negative_pooled, 0)
+    context, pooled = encode(inputs.prompt_ids)
     size = (static.height, static.width)
-    time_ids = jnp.broadcast_to(jnp.array([*size, 0, 0, *size], jnp.float32), (cond.shape[0], 6))
-    added = {"text_embeds": jnp.concatenate([negative_pooled, pooled]),
-             "time_ids": jnp.concatenate([time_ids, time_ids])}
+    time_ids = jnp.broadcast_to(jnp.array([*size, 0, 0, *size], jnp.float32), (context.shape[0], 6))
+    if static.guided:
+        negative, negative_pooled = encode(inputs.negative_ids)
+        if nets.force_zeros_for_empty_prompt:
+            keep = inputs.has_negative
+            negative = jnp.where(keep[:, None, None], negative, 0)
+            negative_pooled = jnp.where(keep[:, None], negative_pooled, 0)
+        context = jnp.concatenate([negative, context])
+        pooled = jnp.concatenate([negative_pooled, pooled])
+        time_ids = jnp.concatenate([time_ids, time_ids])
+    added = {"text_embeds": pooled, "time_ids": time_ids}
     f = vae.config.scale_factor
     latents = denoise(unet, params["unet"], scheduler, static,
                       (unet.config.in_channels, static.height // f, static.width // f), inputs,
-                      jnp.concatenate([negative, cond]), added)
+                      context, added)
     return decode(vae, params["vae"], latents)
 
 

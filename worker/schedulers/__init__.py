@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import jax
 
+from renderfarm.jobs import SCHEDULERS as CONTRACT_SCHEDULERS
 from worker.schedulers.ddim import DDIMScheduler, DDIMState
 from worker.schedulers.dpm import DPMScheduler, DPMState
 from worker.schedulers.euler import EulerScheduler, EulerState
@@ -23,6 +24,7 @@ from worker.schedulers.lms import LMSScheduler, LMSState
 from worker.schedulers.pndm import PNDMScheduler, PNDMState
 
 __all__ = [
+    "CLASS_NAMES",
     "SCHEDULERS",
     "DDIMScheduler",
     "DDIMState",
@@ -38,8 +40,11 @@ __all__ = [
     "make",
 ]
 
-# The job contract's scheduler names; each the port of the PyTorch class named in its module.
+# The job contract's scheduler names (renderfarm.jobs.SCHEDULERS), each the port of a PyTorch class.
 SCHEDULERS = {cls.name: cls for cls in (PNDMScheduler, DDIMScheduler, LMSScheduler, EulerScheduler, DPMScheduler)}
+assert tuple(SCHEDULERS) == CONTRACT_SCHEDULERS, "renderfarm.jobs.SCHEDULERS names the schedulers"
+# Scheduler classes model folders name (PyTorch's and diffusers' Flax twins) -> the contract's names.
+CLASS_NAMES = {prefix + cls.diffusers_class: cls.name for cls in SCHEDULERS.values() for prefix in ("", "Flax")}
 
 
 class Scheduler(Protocol):

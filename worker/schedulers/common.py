@@ -37,7 +37,8 @@ class SchedulerConfig:
     timestep_spacing: str = "linspace"
     steps_offset: int = 0
 
-    name: ClassVar[str]  # make()'s name for it
+    name: ClassVar[str]  # make()'s name for it: the job contract's (renderfarm.jobs.SCHEDULERS)
+    diffusers_class: ClassVar[str]  # the PyTorch class it ports, as model folders name it
     prediction_types: ClassVar[tuple[str, ...]] = ("epsilon", "v_prediction", "sample")
 
     @classmethod

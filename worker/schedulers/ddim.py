@@ -15,7 +15,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from worker.schedulers.common import F32, SchedulerConfig, check_timesteps, const, threshold
+from worker.schedulers.common import (
+    F32,
+    SchedulerConfig,
+    check_timesteps,
+    const,
+    threshold,
+)
 
 
 @flax.struct.dataclass
@@ -42,6 +48,7 @@ class DDIMScheduler(SchedulerConfig):
     rescale_betas_zero_snr: bool = False
 
     name = "ddim"
+    diffusers_class = "DDIMScheduler"
 
     def set_timesteps(self, steps: int, shape: tuple[int, ...]) -> DDIMState:
         """Timesteps and per-step coefficients for `steps`; DDIM keeps no history, so no buffers."""

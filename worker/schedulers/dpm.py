@@ -67,6 +67,7 @@ class DPMScheduler(SigmaScheduleConfig):
     time_shift_type: str = "exponential"
 
     name = "dpm"
+    diffusers_class = "DPMSolverMultistepScheduler"
 
     def __post_init__(self) -> None:
         super().__post_init__()

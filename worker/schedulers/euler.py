@@ -47,6 +47,7 @@ class EulerScheduler(SigmaScheduleConfig):
     final_sigmas_type: str = "zero"
 
     name = "euler"
+    diffusers_class = "EulerDiscreteScheduler"
     prediction_types = ("epsilon", "v_prediction", "sample", "original_sample")
 
     def __post_init__(self) -> None:

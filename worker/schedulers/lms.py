@@ -48,6 +48,7 @@ class LMSScheduler(SigmaScheduleConfig):
     """Options and defaults of PyTorch's `LMSDiscreteScheduler`."""
 
     name = "lms"
+    diffusers_class = "LMSDiscreteScheduler"
 
     def set_timesteps(self, steps: int, shape: tuple[int, ...]) -> LMSState:
         """Timesteps, sigmas and LMS coefficients for `steps` on samples of `shape`."""

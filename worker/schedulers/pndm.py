@@ -51,6 +51,7 @@ class PNDMScheduler(SchedulerConfig):
     timestep_spacing: str = "leading"
 
     name = "pndm"
+    diffusers_class = "PNDMScheduler"
     prediction_types = ("epsilon", "v_prediction")
 
     def set_timesteps(self, steps: int, shape: tuple[int, ...]) -> PNDMState:

@@ -136,11 +136,6 @@ def _error(message: str) -> int:
 
 
 def cmd_flower(args: argparse.Namespace) -> int:
-    try:
-        import flower  # noqa: F401 - the real package, not this module
-    except ImportError:
-        return _error("Flower is not installed here: pip install 'flower>=2.2,<3'")
-
     raw = os.environ.get(ENV_AUTH, "").strip()
     credentials: list[str] = []
     try:
@@ -197,16 +192,3 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m renderfarm.flower [flags]`: the same command without the `renderfarm` CLI."""
-    parser = argparse.ArgumentParser(prog="renderfarm flower", description=DESCRIPTION, epilog=EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    return args.handler(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,43 @@
+"""Command-line flags both sides share: the job fields (`render` and `submit` make jobs) and
+the broker. Argparse only; what each command does lives with the side it drives."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from renderfarm.jobs import DTYPES, SCHEDULERS
+
+JOB_DEFAULTS = ("model", "campaign", "steps", "guidance_scale", "negative_prompt", "width", "height",
+                "scheduler", "dtype", "variant")
+
+
+def job_flags(parser: argparse.ArgumentParser) -> None:
+    """The job fields every command that makes jobs accepts (render, submit); unset ones take
+    the job contract's defaults (docs/design.md)."""
+    parser.add_argument("prompts_args", nargs="*", metavar="PROMPT", help="prompts, one job each")
+    parser.add_argument("--prompts", metavar="FILE", help=".txt (a prompt a line) or .jsonl (a job a line)")
+    parser.add_argument("--model", required=True, help="hub id[@revision], local folder or gs:// folder")
+    parser.add_argument("--campaign", default="local", help="folder under --out (default: local)")
+    parser.add_argument("--seed", type=int, help="base seed: job i gets SEED+i (default: random, recorded)")
+    parser.add_argument("--steps", type=int, metavar="N", help="denoising steps, 1..500 (default 25)")
+    parser.add_argument("--guidance", type=float, dest="guidance_scale", metavar="SCALE",
+                        help="classifier-free guidance scale, 0..50 (default 7.5; <= 1: none)")
+    parser.add_argument("--negative", dest="negative_prompt", metavar="TEXT", help="negative prompt (default: none)")
+    parser.add_argument("--width", type=int, metavar="PIXELS",
+                        help="image width, a multiple of the model's size step (default: the model's native size)")
+    parser.add_argument("--height", type=int, metavar="PIXELS",
+                        help="image height, a multiple of the model's size step (default: the model's native size)")
+    parser.add_argument("--scheduler", choices=SCHEDULERS, help="the sampler that denoises (default: the one the model's scheduler config names)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype of the networks (default float32; bfloat16 halves memory on TPUs)")
+    parser.add_argument("--variant", help="the model's weights variant, e.g. fp16 (its *.fp16.safetensors files)")
+
+
+def job_defaults(args: argparse.Namespace) -> dict[str, Any]:
+    """The job fields given by `job_flags`, for every job of the command."""
+    return {name: getattr(args, name) for name in JOB_DEFAULTS}
+
+
+def broker_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--broker", metavar="URL",
+                        help="Redis broker URL (default: $RENDERFARM_BROKER_URL or redis://localhost:6379/0)")

@@ -1,0 +1,104 @@
+"""The architecture the package layout shows, kept by a test: the shared contracts
+(`renderfarm`) import neither side, producers never import the worker, only the entry point
+(`renderfarm_cli`) wires both, and no module imports itself back through others. Every
+import counts, the ones inside functions too."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("renderfarm", "producer", "worker", "renderfarm_cli")
+# package -> the packages it must not import
+FORBIDDEN = {"renderfarm": {"producer", "worker", "renderfarm_cli"},
+             "producer": {"worker", "renderfarm_cli"},
+             "worker": {"renderfarm_cli"}}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The project modules `name` imports (a `from package import module` counts as the
+    module; anything else as the deepest project module named)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports(name, path, known) for name, path in known.items()}
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in edges[node]:
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in edges:
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_module_imports_a_side_it_must_not() -> None:
+    bad = [f"{name} imports {target}" for name, targets in graph().items() for target in sorted(targets)
+           if target.split(".")[0] in FORBIDDEN.get(name.split(".")[0], ())]
+    assert bad == []
+
+
+def test_no_import_cycles() -> None:
+    assert cycles(graph()) == []
+
+
+def test_the_checks_see_what_they_check() -> None:
+    """A cycle and a forbidden import are found when they are there (the walk is not blind)."""
+    edges = graph()
+    assert "renderfarm.jobs" in edges["producer.ingest"]  # a plain import
+    assert "worker.engine" in edges["worker.commands"]  # an import inside a function
+    assert "worker.families.sd" in edges["worker.families"]  # `from package import module`
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
