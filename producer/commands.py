@@ -7,16 +7,25 @@ import argparse
 import datetime
 import functools
 import json
+import math
+import os
 import sys
 from collections.abc import Callable
 
 import redis
 from kombu.exceptions import KombuError
 
-from producer.status import campaign_status, cancel_campaign, farm_queues, format_status
+from producer.status import (
+    campaign_status,
+    cancel_campaign,
+    device_time,
+    farm_queues,
+    format_status,
+)
 from producer.submit import Submission, WaitTimeout, submit, wait_for
 from renderfarm.flags import broker_flag, job_defaults, job_flags
 from renderfarm.gallery import DEFAULT_LIMIT, DEFAULT_TILES, refresh
+from renderfarm.progress import Progress
 from renderfarm.settings import Settings, redacted
 from renderfarm.storage import open_storage
 
@@ -57,6 +66,10 @@ def _follow(args: argparse.Namespace, submission: Submission, campaign: str) -> 
                 print(f"renderfarm: warning: {queue.warning}", file=sys.stderr)
         return 1
     print(f"finished: {counts['done']} done, {counts['failed']} failed, {counts['cancelled']} cancelled")
+    with redis.Redis.from_url(Settings.from_env(broker_url=args.broker).broker_url) as client:
+        totals = Progress(client).status(campaign)  # the whole campaign's, this submission's included
+    if totals["device_seconds"]:
+        print(f"campaign {campaign}: {device_time(totals)}")
     if counts["failed"]:
         print(f"renderfarm status {campaign} lists why jobs failed", file=sys.stderr)
         return 1
@@ -107,9 +120,31 @@ def cmd_campaign_run(args: argparse.Namespace) -> int:
     return 0 if run.submission is None else _follow(args, run.submission, spec.name)
 
 
+PRICE_ENV = "RENDERFARM_PRICE_PER_DEVICE_HOUR"
+
+
+def price_per_device_hour(flag: float | None) -> float | None:
+    """The flag's price, else the environment's, else None; a price must be a finite number >= 0."""
+    name, value = ("--price-per-device-hour", flag) if flag is not None else (PRICE_ENV, os.environ.get(PRICE_ENV))
+    if value is None or value == "":
+        return None
+    try:
+        price = float(value)
+    except ValueError:
+        price = math.nan
+    if not (math.isfinite(price) and price >= 0):
+        raise ValueError(f"{name}={value!r}: must be a finite number >= 0 (a device-hour's price)")
+    return price
+
+
 @broker_errors
 def cmd_status(args: argparse.Namespace) -> int:
-    report = campaign_status(args.campaign, args.broker)
+    try:
+        price = price_per_device_hour(args.price_per_device_hour)
+    except ValueError as err:
+        print(f"renderfarm status: error: {err}", file=sys.stderr)
+        return 2
+    report = campaign_status(args.campaign, args.broker, price)
     print(json.dumps(report, indent=2) if args.json else format_status(report))
     return 0
 
@@ -179,6 +214,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     status = sub.add_parser("status", help="a campaign's progress, failures, rate, ETA and queues")
     status.add_argument("campaign", metavar="CAMPAIGN", help="the campaign's name")
     status.add_argument("--json", action="store_true", help="one JSON object")
+    status.add_argument("--price-per-device-hour", type=float, metavar="PRICE",
+                        help="what one device costs an hour (a TPU chip, a GPU), in any currency: status "
+                             f"then shows the cost per 1,000 images (default: ${PRICE_ENV}, "
+                             "else no cost)")
     broker_flag(status)
     status.set_defaults(handler=cmd_status)
 

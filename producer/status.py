@@ -62,12 +62,18 @@ def _waiting(channel: Any, queue: str) -> int:
         return 0
 
 
-def campaign_status(campaign: str, broker: str | None = None) -> dict[str, Any]:
-    """Progress counts, failures (job id -> reason), images/s, ETA, and the queues with their
-    consumers; `warnings` lists the queues with jobs and no worker."""
+def campaign_status(campaign: str, broker: str | None = None,
+                    price_per_device_hour: float | None = None) -> dict[str, Any]:
+    """Progress counts, failures (job id -> reason), images/s, ETA, device time and, given a
+    price per device-hour, the cost per 1,000 images; and the queues with their consumers
+    (`warnings` lists the queues with jobs and no worker)."""
     check_campaign(campaign)
     with redis.Redis.from_url(Settings.from_env(broker_url=broker).broker_url) as client:
         report = Progress(client).status(campaign)
+    per_hour = report["images_per_device_hour"]
+    report["price_per_device_hour"] = price_per_device_hour
+    report["cost_per_1000_images"] = (1000 * price_per_device_hour / per_hour
+                                      if price_per_device_hour is not None and per_hour else None)
     queues = farm_queues(broker)
     report["queues"] = [dataclasses.asdict(q) for q in queues]
     report["warnings"] = [q.warning for q in queues if q.warning]
@@ -104,6 +110,23 @@ def _finished_lines(report: dict[str, Any]) -> list[str]:
     return [f"  {'finished':<10} {done:>8} images in {_duration(elapsed)}, {done / elapsed:.2f} images/s"]
 
 
+def device_time(report: dict[str, Any]) -> str:
+    """What the done images took of the devices, e.g. `0.250 device-hours, 1,800 images per device-hour`."""
+    return (f"{report['device_seconds'] / 3600:.3f} device-hours, "
+            f"{report['images_per_device_hour']:,.0f} images per device-hour")
+
+
+def _cost_lines(report: dict[str, Any]) -> list[str]:
+    """What the done images cost in device time and, given a price, in money."""
+    if not report["device_seconds"]:
+        return []
+    lines = [f"  {'devices':<10} {device_time(report)}"]
+    if report["cost_per_1000_images"] is not None:
+        lines.append(f"  {'cost':<10} {report['cost_per_1000_images']:>8.4f} per 1,000 images "
+                     f"at {report['price_per_device_hour']:g} per device-hour")
+    return lines
+
+
 def format_status(report: dict[str, Any]) -> str:
     """The report for a terminal: counts, rate and ETA, a few failures, queues, warnings."""
     lines = [f"campaign {report['campaign']}"
@@ -111,6 +134,7 @@ def format_status(report: dict[str, Any]) -> str:
              *(f"  {name:<10} {report[name]:>8}"
                for name in ("submitted", "queued", "running", "done", "failed", "cancelled"))]
     lines += _finished_lines(report) if report["finished"] else _running_lines(report)
+    lines += _cost_lines(report)
     failures = list(report["failures"].items())
     if failures:
         lines.append(f"failures ({len(failures)}):")

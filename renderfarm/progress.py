@@ -8,7 +8,8 @@ Keys (CAMPAIGN is validated by the job contract, so it cannot reach outside its 
   rf:c:CAMPAIGN:failed      hash job id -> reason (failed for good)
   rf:c:CAMPAIGN:cancelled   set of job ids skipped because the campaign was cancelled
   rf:c:CAMPAIGN:cancel      flag: queued jobs of the campaign are skipped
-  rf:c:CAMPAIGN:times       hash: first_submitted, first_done, last_done (unix seconds)
+  rf:c:CAMPAIGN:times       hash: first_submitted, first_done, last_done (unix seconds), and
+                            device_seconds (the devices' time its done images took)
   rf:c:CAMPAIGN:attempts    hash job id -> attempts started (the same spec in two campaigns is
                             two jobs: each has its own attempts)
   rf:c:CAMPAIGN:submission:ID  set of the job ids one submission sent (expires after 7 days)
@@ -19,11 +20,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import redis
 
 QUEUES = "rf:queues"
+FINISH = (Path(__file__).parent / "lua" / "finish.lua").read_text()
 
 
 def key(campaign: str, what: str) -> str:
@@ -34,6 +37,7 @@ class Progress:
     """Reads and writes campaign progress; every write is one pipelined round trip."""
 
     def __init__(self, client: redis.Redis) -> None:
+        self._finish = client.register_script(FINISH)
         self.r = client
 
     @classmethod
@@ -102,13 +106,19 @@ class Progress:
             pipe.sadd(key(campaign, "running"), *ids)
         return pipe.execute()[:len(jobs)]
 
-    def finished(self, jobs: Iterable[tuple[str, str]]) -> None:
-        """Mark (campaign, job id) pairs done, in one round trip, a few commands a campaign."""
+    def finished(self, jobs: Iterable[tuple[str, str]], device_seconds: Iterable[float] | None = None) -> None:
+        """Mark (campaign, job id) pairs done, in one round trip, a few commands a campaign;
+        `device_seconds` (one per job: its share of its batch's device time) add up per
+        campaign, once per job however often it is finished."""
+        jobs = list(jobs)
+        seconds = dict(zip(jobs, device_seconds if device_seconds is not None else [0.0] * len(jobs)))
         now = time.time()
         pipe = self.r.pipeline(transaction=False)
         for campaign, ids in _by_campaign(jobs).items():
             pipe.srem(key(campaign, "running"), *ids)
-            pipe.sadd(key(campaign, "done"), *ids)
+            self._finish(keys=[key(campaign, "done"), key(campaign, "times")],
+                         args=[x for job_id in ids for x in (job_id, repr(float(seconds[(campaign, job_id)])))],
+                         client=pipe)
             pipe.hdel(key(campaign, "failed"), *ids)
             pipe.hsetnx(key(campaign, "times"), "first_done", now)
             pipe.hset(key(campaign, "times"), "last_done", now)
@@ -142,8 +152,8 @@ class Progress:
         submitted, running, done, cancelled, failed, times, cancel = pipe.execute()
         failed = {k.decode(): v.decode() for k, v in failed.items()}
         queued = max(0, submitted - running - done - cancelled - len(failed))
-        submitted_at, first, last = (float(times.get(k, 0))
-                                     for k in (b"first_submitted", b"first_done", b"last_done"))
+        submitted_at, first, last, device_seconds = (
+            float(times.get(k, 0)) for k in (b"first_submitted", b"first_done", b"last_done", b"device_seconds"))
         rate = (done - 1) / (last - first) if done > 1 and last > first else None
         finished = bool(submitted) and queued + running == 0
         return {
@@ -161,6 +171,9 @@ class Progress:
             "finished": finished,
             # first submission to last image: a finished campaign's wall time
             "elapsed_seconds": last - submitted_at if done and submitted_at else None,
+            # the devices' time the done images took (each its share of its batch)
+            "device_seconds": device_seconds,
+            "images_per_device_hour": done * 3600 / device_seconds if device_seconds else None,
         }
 
 

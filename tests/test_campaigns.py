@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -107,6 +108,7 @@ def test_a_finished_campaign_run_again_submits_nothing(
     code, out, _ = cli("campaign", "run", path, "--wait", "--timeout", 240, "--broker", redis_server.url)
     assert code == 0, out
     assert "enqueued 8 jobs" in out and "finished: 8 done, 0 failed, 0 cancelled" in out
+    assert re.search(r"campaign twice: [\d.]+ device-hours, [\d,]+ images per device-hour", out), out
     storage = open_storage(str(worker["out"]))
     ids = {j.job_id for j in campaign_jobs(spec)}
     assert sorted(manifest_ids(storage, "twice")) == sorted(ids)

@@ -87,29 +87,33 @@ def assert_landed_once(storage: Storage, specs: list[JobSpec]) -> None:
 
 
 @pytest.fixture(scope="module")
-def c48(farm: dict, tiny_sd: Path) -> tuple[list[JobSpec], dict]:
-    """A finished campaign of 48 jobs over both workers, for the tests that look at one or
+def c72(farm: dict, tiny_sd: Path) -> tuple[list[JobSpec], dict]:
+    """A finished campaign of 72 jobs over both workers (more than the 64 one worker may hold
+    unacknowledged, so both render some), for the tests that look at one or
     submit it again (whichever of them runs first renders it): its jobs and the status
     when it finished."""
     specs = [dataclasses.replace(spec, negative_prompt="blurry") if i % 3 == 0 else spec
-             for i, spec in enumerate(jobs(tiny_sd, "c48", 48))]
-    return enqueue(farm["app"], farm["progress"], specs), wait_done(farm["progress"], "c48", 48)
+             for i, spec in enumerate(jobs(tiny_sd, "c72", 72))]
+    return enqueue(farm["app"], farm["progress"], specs), wait_done(farm["progress"], "c72", 72)
 
 
-def test_48_jobs_over_2_workers_match_local_render(farm: dict, bucket: Storage, c48: tuple[list[JobSpec], dict],
+def test_72_jobs_over_2_workers_match_local_render(farm: dict, bucket: Storage, c72: tuple[list[JobSpec], dict],
                                                    sd_engine) -> None:  # noqa: ANN001
-    specs, status = c48
-    assert (status["done"], status["failed"], status["queued"], status["running"]) == (48, 0, 0, 0)
+    specs, status = c72
+    assert (status["done"], status["failed"], status["queued"], status["running"]) == (72, 0, 0, 0)
     assert_landed_once(bucket, specs)
-    assert len(manifest_ids(bucket, "c48")) == 48
+    assert len(manifest_ids(bucket, "c72")) == 72
     local = sd_engine.render(specs)
     pids = set()
     for spec, expected in zip(specs, local):
-        png = Image.open(io.BytesIO(bucket.get(f"c48/{spec.job_id}.png")))
+        png = Image.open(io.BytesIO(bucket.get(f"c72/{spec.job_id}.png")))
         diff = np.abs(np.asarray(png, np.int16) - expected.image.astype(np.int16)).max()
         assert diff <= 2, f"job {spec.job_id} differs from the local render by {diff}/255"
-        pids.add(json.loads(bucket.get(f"c48/{spec.job_id}.json"))["worker"]["pid"])
+        pids.add(json.loads(bucket.get(f"c72/{spec.job_id}.json"))["worker"]["pid"])
     assert len(pids) == 2, "both workers should have rendered"
+    # what the campaign cost the devices: the sum of what its images cost, each counted once
+    shares = [json.loads(bucket.get(f"c72/{s.job_id}.json"))["device_seconds"] for s in specs]
+    assert min(shares) > 0 and status["device_seconds"] == pytest.approx(sum(shares), rel=1e-6)
 
 
 def test_flower_sees_workers_and_every_job(farm: dict, tiny_sd: Path, redis_server: RedisServer) -> None:
@@ -130,16 +134,17 @@ def test_flower_sees_workers_and_every_job(farm: dict, tiny_sd: Path, redis_serv
 
 
 def test_resubmitting_a_finished_campaign_renders_nothing(farm: dict, bucket: Storage, tiny_sd: Path,
-                                                          c48: tuple[list[JobSpec], dict]) -> None:
-    specs = c48[0]
-    before = {s.job_id: bucket.get(f"c48/{s.job_id}.json") for s in specs}
+                                                          c72: tuple[list[JobSpec], dict]) -> None:
+    specs = c72[0]
+    before = {s.job_id: bucket.get(f"c72/{s.job_id}.json") for s in specs}
     enqueue(farm["app"], farm["progress"], specs)
     redis = farm["progress"].r
     wait_for(lambda: redis.llen(queue_name(str(tiny_sd), "float32")) == 0
-             and farm["progress"].status("c48")["running"] == 0, 60, "the queue to drain")
-    wait_for(lambda: all(int(redis.hget("rf:c:c48:attempts", s.job_id)) >= 2 for s in specs), 60, "redelivery")
-    assert {s.job_id: bucket.get(f"c48/{s.job_id}.json") for s in specs} == before  # not rendered again
-    assert len(manifest_ids(bucket, "c48")) == 48
+             and farm["progress"].status("c72")["running"] == 0, 60, "the queue to drain")
+    wait_for(lambda: all(int(redis.hget("rf:c:c72:attempts", s.job_id)) >= 2 for s in specs), 60, "redelivery")
+    assert {s.job_id: bucket.get(f"c72/{s.job_id}.json") for s in specs} == before  # not rendered again
+    assert farm["progress"].status("c72")["device_seconds"] == pytest.approx(c72[1]["device_seconds"])  # nor counted
+    assert len(manifest_ids(bucket, "c72")) == 72
 
 
 def test_cancelled_campaign_is_skipped_not_rendered(farm: dict, bucket: Storage, tiny_sd: Path) -> None:
@@ -220,13 +225,13 @@ def test_redis_restarted_three_times_mid_campaign(farm: dict, bucket: Storage, t
 
 def test_submitting_a_finished_campaign_again_enqueues_nothing(farm: dict, tiny_sd: Path, tmp_path: Path,
                                                                 redis_server: RedisServer,
-                                                                c48: tuple[list[JobSpec], dict]) -> None:
+                                                                c72: tuple[list[JobSpec], dict]) -> None:
     from producer import submit
 
-    lines = tmp_path / "c48.jsonl"
-    lines.write_text("".join(json.dumps(s.to_dict()) + "\n" for s in c48[0]))
-    again = submit(prompts_file=lines, model=str(tiny_sd), campaign="c48", broker=redis_server.url)
-    assert (again.enqueued, again.already_done) == (0, 48)
+    lines = tmp_path / "c72.jsonl"
+    lines.write_text("".join(json.dumps(s.to_dict()) + "\n" for s in c72[0]))
+    again = submit(prompts_file=lines, model=str(tiny_sd), campaign="c72", broker=redis_server.url)
+    assert (again.enqueued, again.already_done) == (0, 72)
 
 
 def test_a_lone_job_on_an_idle_worker_does_not_wait_max_wait(farm: dict, bucket: Storage, tiny_sd: Path,

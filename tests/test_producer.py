@@ -229,6 +229,34 @@ def test_status_of_a_finished_campaign_shows_its_totals(cli: Cli, broker: str, p
     assert "rate" not in out and "ETA" not in out
 
 
+def test_status_shows_device_time_and_the_cost_per_1000_images(cli: Cli, broker: str, progress: Progress,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers report each image's share of its batch's device time; a job finished twice (a
+    redelivery after it was stored) counts once; with a price per device-hour, status gives
+    the cost per 1,000 images."""
+    submit(["a", "b", "c"], model="m", campaign="cost", seed=0, broker=broker)
+    ids = [("cost", JobSpec(prompt=p, model="m", seed=i, campaign="cost").job_id) for i, p in enumerate("abc")]
+    progress.finished(ids[:2], [1.5, 2.1])
+    progress.finished(ids[:1], [1.5])  # redelivered
+    progress.finished(ids[2:], [2.4])
+    report = progress.status("cost")
+    assert report["device_seconds"] == pytest.approx(6.0)
+    assert report["images_per_device_hour"] == pytest.approx(3 * 3600 / 6.0)
+    code, out, _ = cli("status", "cost", "--broker", broker)
+    assert code == 0 and "0.002 device-hours, 1,800 images per device-hour" in out and "cost" not in out.split("\n", 1)[1]
+    monkeypatch.setenv("RENDERFARM_PRICE_PER_DEVICE_HOUR", "1.2")
+    code, out, _ = cli("status", "cost", "--json", "--broker", broker)
+    assert json.loads(out)["cost_per_1000_images"] == pytest.approx(1000 * 1.2 / 1800)
+    code, out, _ = cli("status", "cost", "--price-per-device-hour", 3.6, "--broker", broker)  # the flag wins
+    assert "cost         2.0000 per 1,000 images at 3.6 per device-hour" in out
+    for value, name in (("-1", "--price-per-device-hour"), ("nan", "--price-per-device-hour")):
+        code, _, err = cli("status", "cost", "--price-per-device-hour", value, "--broker", broker)
+        assert code == 2 and f"{name}={float(value)!r}: must be a finite number >= 0" in err
+    monkeypatch.setenv("RENDERFARM_PRICE_PER_DEVICE_HOUR", "cheap")
+    code, _, err = cli("status", "cost", "--broker", broker)
+    assert code == 2 and "RENDERFARM_PRICE_PER_DEVICE_HOUR='cheap': must be a finite number >= 0" in err
+
+
 def test_cancel_sets_the_flag_and_skipped_jobs_show_cancelled(cli: Cli, broker: str, progress: Progress) -> None:
     submit(["a", "b"], model="m", campaign="cx", seed=0, broker=broker)
     code, out, _ = cli("cancel", "cx", "--broker", broker)

@@ -20,7 +20,7 @@ from tests.gcs_emulator import GcsEmulator
 from worker.commands import parse_shapes
 
 SIDECAR_FIELDS = {"job_id", "spec", "width", "height", "scheduler", "classifier_free_guidance", "truncated",
-                  "model", "dtype", "png_sha256", "worker", "batch", "timings", "versions"}
+                  "model", "dtype", "png_sha256", "worker", "batch", "device_seconds", "timings", "versions"}
 
 
 def render(*args: str) -> int:
@@ -56,6 +56,8 @@ def test_layout_sidecars_and_seeds(tiny_sd: Path, tmp_path: Path, capsys: pytest
         assert record["worker"]["device_count"] == 8 and record["batch"]["slots"] == 8
         assert (record["width"], record["height"], record["scheduler"]) == (64, 64, "pndm")
         assert record["classifier_free_guidance"] is True  # the default scale, 7.5
+        # its share of its batch's time on the 8 devices: at most the batch's wall time x 8 / jobs
+        assert 0 < record["device_seconds"] <= record["timings"]["batch_seconds"] * 8 / record["batch"]["jobs"] + 1e-3
         assert "diffusers" not in record["versions"] and record["versions"]["flax"] != "unknown"
 
 

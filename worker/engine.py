@@ -59,7 +59,13 @@ class Batch:
     seq: int  # this engine's batch counter
     jobs: int  # real jobs in it
     slots: int  # the compiled batch size (jobs + padding)
-    seconds: float
+    seconds: float  # from its start to its collection
+    device_seconds: float = 0.0  # the devices' time it took: its share of their busy time x devices
+
+    @property
+    def device_seconds_per_job(self) -> float:
+        """What one of its jobs cost in device time (padding is paid by the real jobs)."""
+        return self.device_seconds / self.jobs
 
 
 @dataclasses.dataclass
@@ -158,6 +164,7 @@ class Engine:
         self.max_programs = max_programs  # None: sized for device memory by the first program
         self.executables = executables
         self._batches = itertools.count()
+        self._last_collected = 0.0  # when the devices last finished a batch (perf_counter)
         self._flops: dict[ShapeKey, float | None] = {}
         self.compile_seconds = 0.0
         self.cache_hits = 0  # programs found in the persistent compilation cache
@@ -339,7 +346,12 @@ class Engine:
     def collect(self, batch: InFlight) -> list[Rendered]:
         """Wait for a started batch; its jobs' images, padding dropped."""
         pixels, scanlines = np.asarray(batch.output.images), np.asarray(batch.output.scanlines)
-        info = Batch(batch.seq, len(batch.specs), self.batch_size, time.perf_counter() - batch.started)
+        now = time.perf_counter()
+        # The devices run batches one after another: this one had them from its start, or
+        # from the end of the one before if that ended later.
+        busy = now - max(batch.started, self._last_collected)
+        self._last_collected = now
+        info = Batch(batch.seq, len(batch.specs), self.batch_size, now - batch.started, busy * len(self.devices))
         return [Rendered(i, spec, pixels[n], batch.key, batch.truncated[n], info, scanlines[n])
                 for n, (i, spec) in enumerate(zip(batch.indices, batch.specs))]
 

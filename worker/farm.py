@@ -95,7 +95,9 @@ class Outcomes:
         self.app, self.progress, self.max_attempts = app, progress, max_attempts
 
     def succeeded(self, done: list[tuple[Job, dict[str, Any]]]) -> None:
-        if not self._recorded(lambda: self.progress.finished(job.ident for job, _ in done), "finished", len(done)):
+        ids = [job.ident for job, _ in done]
+        seconds = [result.get("device_seconds", 0.0) for _, result in done]  # what each image cost
+        if not self._recorded(lambda: self.progress.finished(ids, seconds), "finished", len(done)):
             return
         for job, result in done:  # successes live in storage and Progress, not the result backend
             job.request.send_event("task-succeeded", result=repr(result), runtime=time.time() - job.started)
@@ -284,6 +286,7 @@ class Processor:
             return True
         self.outcomes.succeeded([(job, {"job_id": job.spec.job_id, "png_sha256": record.get("png_sha256"),
                                         "url": self.storage.url(sidecar_name(job.campaign, job.spec.job_id)),
+                                        "device_seconds": record.get("device_seconds", 0.0),
                                         "already_stored": True})])
         return True
 
@@ -349,7 +352,8 @@ class Processor:
             job = self._take(campaign, job_id)
             if job is not None:
                 done.append((job, {"job_id": job_id, "png_sha256": record["png_sha256"],
-                                   "url": self.storage.url(sidecar_name(campaign, job_id))}))
+                                   "url": self.storage.url(sidecar_name(campaign, job_id)),
+                                   "device_seconds": record["device_seconds"]}))
         self.outcomes.succeeded(done)
 
     def _store_failed(self, result: Rendered, error: Exception) -> None:

@@ -74,6 +74,8 @@ def sidecar(result: Rendered, model: LoadedModel, png: bytes, devices: list[jax.
         "worker": {"host": socket.gethostname(), "pid": os.getpid(), "device_kind": devices[0].device_kind,
                    "device_count": len(devices)},
         "batch": {"seq": result.batch.seq, "jobs": result.batch.jobs, "slots": result.batch.slots},
+        # its share of the devices' time its batch took: what the image cost
+        "device_seconds": round(result.batch.device_seconds_per_job, 6),
         "timings": {"batch_seconds": round(result.batch.seconds, 4)},
         "versions": library_versions(),
         "manifest_part": manifest_part,
