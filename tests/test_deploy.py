@@ -686,3 +686,18 @@ def test_operations_doc_covers_the_essentials() -> None:
     for needle in ("RENDERFARM_FLOWER_AUTH", "/metrics", "/healthcheck", "RENDERFARM_VISIBILITY_TIMEOUT",
                    "docker compose", "create-tpu-vms.sh", "--max-tasks", "appendonly"):
         assert needle in text, needle
+
+
+def test_every_file_the_packages_read_goes_into_the_wheel() -> None:
+    """A wheel (the image's `pip install .`) holds a package's .py files and only the other
+    files package-data names: the Redis scripts read at import must be among them."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    patterns = setuptools.get("package-data", {})
+    tracked = subprocess.run(["git", "ls-files", *(p.rstrip("*") for p in setuptools["packages"]["find"]["include"])],
+                             cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    data = [Path(f) for f in tracked if not f.endswith(".py")]
+    assert data, "the packages read .lua scripts: this test must see them"
+    for path in data:
+        package, rest = path.parts[0], Path(*path.parts[1:])
+        assert any(rest.match(pattern) for pattern in patterns.get(package, [])), \
+            f"{path} is not in [tool.setuptools.package-data] {package}: a wheel would leave it out"
