@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from worker.family import Networks
 from worker.nn.unet import UNet2DConditionModel
 from worker.nn.vae import AutoencoderKL
 from worker.schedulers import Scheduler
@@ -85,6 +86,17 @@ def denoise(unet: UNet2DConditionModel, unet_params: Any, scheduler: Scheduler, 
 
     latents, _ = jax.lax.fori_loop(0, state.timesteps.shape[0], body, (latents, state))
     return latents
+
+
+def denoise_and_decode(nets: Networks, scheduler: Scheduler, static: Static, params: Any, inputs: Inputs,
+                       context: jax.Array, added: Mapping[str, jax.Array] | None) -> Output:
+    """What every family does once its prompts are encoded: the loop on the contract's
+    latents (the UNet's channels, the size over the VAE's scale factor), then the VAE."""
+    unet, vae = nets["unet"], nets["vae"]
+    f = vae.config.scale_factor
+    latents = denoise(unet, params["unet"], scheduler, static,
+                      (unet.config.in_channels, static.height // f, static.width // f), inputs, context, added)
+    return decode(vae, params["vae"], latents)
 
 
 def decode(vae: AutoencoderKL, vae_params: Any, latents: jax.Array) -> Output:

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from worker.family import Component, Family, Networks
-from worker.generate import Inputs, Output, Static, decode, denoise
+from worker.generate import Inputs, Output, Static, denoise_and_decode
 from worker.nn.clip import CLIPTextConfig, CLIPTextModel
 from worker.nn.unet import UNet2DConditionModel, UNetConfig
 from worker.nn.vae import AutoencoderKL, VAEConfig
@@ -17,7 +17,7 @@ from worker.schedulers import Scheduler
 
 
 def generate(nets: Networks, scheduler: Scheduler, static: Static, params: Any, inputs: Inputs) -> Output:
-    encoder, unet, vae = nets["text_encoder"], nets["unet"], nets["vae"]
+    encoder = nets["text_encoder"]
 
     def encode(ids: jax.Array) -> jax.Array:
         return encoder.apply({"params": params["text_encoder"]}, ids[:, 0]).last_hidden_state
@@ -25,10 +25,7 @@ def generate(nets: Networks, scheduler: Scheduler, static: Static, params: Any, 
     context = encode(inputs.prompt_ids)
     if static.guided:
         context = jnp.concatenate([encode(inputs.negative_ids), context])
-    f = vae.config.scale_factor
-    latents = denoise(unet, params["unet"], scheduler, static,
-                      (unet.config.in_channels, static.height // f, static.width // f), inputs, context, None)
-    return decode(vae, params["vae"], latents)
+    return denoise_and_decode(nets, scheduler, static, params, inputs, context, None)
 
 
 FAMILY = Family(

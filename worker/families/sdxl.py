@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from worker.family import Component, Family, Networks
-from worker.generate import Inputs, Output, Static, decode, denoise
+from worker.generate import Inputs, Output, Static, denoise_and_decode
 from worker.nn.clip import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 from worker.nn.unet import UNet2DConditionModel, UNetConfig
 from worker.nn.vae import AutoencoderKL, VAEConfig
@@ -21,7 +21,6 @@ from worker.schedulers import Scheduler
 
 def generate(nets: Networks, scheduler: Scheduler, static: Static, params: Any, inputs: Inputs) -> Output:
     first, second = nets["text_encoder"], nets["text_encoder_2"]
-    unet, vae = nets["unet"], nets["vae"]
 
     def encode(ids: jax.Array) -> tuple[jax.Array, jax.Array]:
         one = first.apply({"params": params["text_encoder"]}, ids[:, 0])
@@ -41,11 +40,7 @@ def generate(nets: Networks, scheduler: Scheduler, static: Static, params: Any, 
         pooled = jnp.concatenate([negative_pooled, pooled])
         time_ids = jnp.concatenate([time_ids, time_ids])
     added = {"text_embeds": pooled, "time_ids": time_ids}
-    f = vae.config.scale_factor
-    latents = denoise(unet, params["unet"], scheduler, static,
-                      (unet.config.in_channels, static.height // f, static.width // f), inputs,
-                      context, added)
-    return decode(vae, params["vae"], latents)
+    return denoise_and_decode(nets, scheduler, static, params, inputs, context, added)
 
 
 FAMILY = Family(
