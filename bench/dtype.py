@@ -22,7 +22,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from renderfarm.jobs import JobSpec  # noqa: E402
-from worker.engine import Engine  # noqa: E402
+from worker.engine import Engine, ShapeKey  # noqa: E402
 from worker.models import load_model  # noqa: E402
 from worker.tiny import build_tiny_model  # noqa: E402
 
@@ -31,7 +31,7 @@ DTYPES = ("float32", "bfloat16")
 
 def scheduler_dtypes(engine: Engine, name: str) -> set[str]:
     """dtypes of the floating leaves of the scheduler state the engine's programs build."""
-    scheduler = engine._scheduler(name)  # noqa: SLF001 - what the compiled program runs
+    scheduler = engine.scheduler(ShapeKey(64, 64, 4, name))  # what the compiled program runs
     leaves = jax.tree.leaves(scheduler.set_timesteps(4, (1, 4, 8, 8)))
     return {str(x.dtype) for x in leaves if hasattr(x, "dtype") and np.issubdtype(x.dtype, np.floating)}
 

@@ -8,7 +8,7 @@ once (text encoders, VAE decode, PNG filter: the tiny model's VAE is large besid
 so this share is far larger than a real model's) and each step's UNet calls.
 
 Usage: PYTHONPATH=. python bench/few_step.py [--size 256] [--steps 50] [--few-steps 4]
-                                             [--images 32] [--rounds 3]
+                                             [--baseline-steps 25] [--images 32] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -36,18 +36,21 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=256)
     parser.add_argument("--steps", type=int, default=50, help="steps of the guided campaign and of the pair")
     parser.add_argument("--few-steps", type=int, default=4, help="steps of the few-step cfg-free campaign")
+    parser.add_argument("--baseline-steps", type=int, default=25, help="steps of the guided campaign it replaces")
     parser.add_argument("--images", type=int, default=32, help="images per round and variant")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="rf-few-step-") as tmp:
         folder = str(build_tiny_model(Path(tmp) / "tiny-sd"))
         engine = Engine(load_model(folder))
-        variants = {"guidance 7.5": (args.steps, 7.5), "guidance 1.0": (args.steps, 1.0),
-                    f"{args.few_steps} steps, guidance 1.0": (args.few_steps, 1.0)}
+        few, baseline = f"{args.few_steps} steps trailing, guidance 1.0", f"{args.baseline_steps} steps, guidance 7.5"
+        variants = {"guidance 7.5": (args.steps, 7.5, None), "guidance 1.0": (args.steps, 1.0, None),
+                    few: (args.few_steps, 1.0, "trailing"), baseline: (args.baseline_steps, 7.5, None)}
         specs = {name: [JobSpec(prompt=f"a lighthouse, variation {i}", model=folder, seed=i, steps=steps,
-                                guidance_scale=guidance, width=args.size, height=args.size, campaign="bench")
+                                guidance_scale=guidance, width=args.size, height=args.size, campaign="bench",
+                                timestep_spacing=spacing)
                         for i in range(args.images)]
-                 for name, (steps, guidance) in variants.items()}
+                 for name, (steps, guidance, spacing) in variants.items()}
         print(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind} devices, "
               f"{os.cpu_count()} cores; tiny SD {args.size}x{args.size}, {args.images} images per round")
         for name in variants:
@@ -59,10 +62,9 @@ def main() -> None:
                 engine.render(specs[name])
                 rates[name].append(args.images / (time.perf_counter() - start))
         med = {name: statistics.median(r) for name, r in rates.items()}
-        for name, (steps, _) in variants.items():
-            print(f"{name:28s} {steps:3d} steps {med[name]:7.2f} images/s  (rounds: "
+        for name, (steps, _, _) in variants.items():
+            print(f"{name:34s} {steps:3d} steps {med[name]:7.2f} images/s  (rounds: "
                   f"{', '.join(f'{r:.2f}' for r in rates[name])})")
-        few = f"{args.few_steps} steps, guidance 1.0"
         seconds = {name: 1 / rate for name, rate in med.items()}  # per image
         free_step = (seconds["guidance 1.0"] - seconds[few]) / (args.steps - args.few_steps)
         once = seconds[few] - args.few_steps * free_step
@@ -70,7 +72,8 @@ def main() -> None:
         print(f"per image: {once * 1e3:.1f} ms once, then a step {free_step * 1e3:.2f} ms cfg-free, "
               f"{guided_step * 1e3:.2f} ms guided ({guided_step / free_step:.2f}x)")
         print(f"cfg-free / guided at {args.steps} steps: {med['guidance 1.0'] / med['guidance 7.5']:.2f} (target >= 1.8)")
-        print(f"{args.few_steps}-step cfg-free / {args.steps}-step guided: {med[few] / med['guidance 7.5']:.1f}x")
+        print(f"{args.few_steps}-step trailing cfg-free / {args.baseline_steps}-step guided campaign: "
+              f"{med[few] / med[baseline]:.1f}x images/s")
 
 
 if __name__ == "__main__":

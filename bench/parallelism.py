@@ -49,7 +49,7 @@ def main() -> None:
     key = engine.check(specs[0])
     inputs, _ = engine._inputs(specs)
     params = engine._params
-    fn = partial(model.family.generate, model.networks, engine._scheduler(key.scheduler),
+    fn = partial(model.family.generate, model.networks, engine.scheduler(key),
                  Static(key.height, key.width, key.steps, key.guided))
     mesh = engine._sharded.mesh
 

@@ -31,19 +31,22 @@ from renderfarm.jobs import (
     SEED_LIMIT,
     JobError,
     JobSpec,
+    Lora,
     check_campaign,
     check_int,
     parse_job,
+    parse_loras,
+    sampler_label,
 )
 from renderfarm.layout import sidecar_job_id
 from renderfarm.settings import Settings
 from renderfarm.storage import open_storage
 
 SHOWN_BAD_ROWS = 10  # bad rows a run keeps to show; it always counts them all
-JOB_FIELDS = ("negative_prompt", "steps", "guidance_scale", "width", "height", "scheduler", "dtype", "variant",
-              "priority")
-# model, width, height, steps, scheduler, guided (classifier-free guidance: scale > 1)
-ShapeKey = tuple[str, int | None, int | None, int, str | None, bool]
+JOB_FIELDS = ("negative_prompt", "steps", "guidance_scale", "width", "height", "scheduler", "timestep_spacing",
+              "karras", "dtype", "variant", "base", "loras", "priority")
+# model, width, height, steps, sampler (sampler_label), guided (classifier-free guidance: scale > 1)
+ShapeKey = tuple[str, int | None, int | None, int, str, bool]
 
 
 class SpecError(JobError):
@@ -80,8 +83,12 @@ class CampaignSpec:
     width: int | None = JobSpec.width
     height: int | None = JobSpec.height
     scheduler: str | None = JobSpec.scheduler
+    timestep_spacing: str | None = JobSpec.timestep_spacing
+    karras: bool | None = JobSpec.karras
     dtype: str = JobSpec.dtype
     variant: str | None = JobSpec.variant
+    base: str | None = JobSpec.base  # a single-file model's pipeline
+    loras: tuple[Lora, ...] | None = JobSpec.loras  # "REF[:SCALE]" each in YAML
     priority: int | None = JobSpec.priority
     schedule: str | None = None  # cron expression, for `renderfarm schedule`
 
@@ -140,6 +147,8 @@ class CampaignSpec:
                if getattr(self, f.name) is not None and getattr(self, f.name) != ()}
         if self.templates:
             out["templates"] = list(self.templates)
+        if self.loras:
+            out["loras"] = [list(lora) for lora in self.loras]
         return out
 
     @property
@@ -190,6 +199,7 @@ def parse_spec(mapping: Mapping[str, Any], base_dir: str | Path = ".",
         if not isinstance(templates, list):
             raise JobError("templates", templates, "must be a list of templates")
         values["templates"] = tuple(templates)
+        values["loras"] = parse_loras(values.get("loras"))
         base = Path(base_dir)
         for key in ("prompts", "wildcards"):
             values[key] = _resolve(values.get(key), base)
@@ -307,7 +317,8 @@ def scan_campaign(spec: CampaignSpec, stored: set[str] | None = None) -> Scan:
 
     for job in campaign_jobs(spec, scan.bad, finish):
         scan.jobs += 1
-        scan.shapes[(job.model, job.width, job.height, job.steps, job.scheduler, job.guidance_scale > 1)] += 1
+        sampler = sampler_label(job.scheduler, job.timestep_spacing, job.karras)
+        scan.shapes[(job.model, job.width, job.height, job.steps, sampler, job.guidance_scale > 1)] += 1
         if stored and job.job_id in stored:
             scan.stored += 1
     return scan

@@ -85,9 +85,9 @@ def cmd_campaign_validate(args: argparse.Namespace) -> int:
           f"({spec.images_per_prompt} per row), seeds {spec.base_seed}.."
           f"{spec.base_seed + max(scan.rows * spec.images_per_prompt - 1, 0)}, output {spec.output}")
     print("shapes (model, width, height, steps, scheduler, guidance; a worker compiles a program for each):")
-    for (model, width, height, steps, scheduler, guided), jobs in scan.shapes.most_common():
+    for (model, width, height, steps, sampler, guided), jobs in scan.shapes.most_common():
         print(f"  {model} {width or 'default'}x{height or 'default'} {steps} steps "
-              f"{scheduler or 'default scheduler'}{'' if guided else ' cfg-free'}: {jobs} jobs")
+              f"{sampler}{'' if guided else ' cfg-free'}: {jobs} jobs")
     if scan.ignored_columns:
         print(f"ignored columns (not job fields): {', '.join(scan.ignored_columns)}")
     if spec.schedule:

@@ -30,7 +30,10 @@ SourceRow = tuple[int, "dict[str, Any] | JobError"]  # (line or row number, fiel
 # CSV cell is read as. Seeds derive from the row's position and the campaign is the spec's.
 ROW_FIELDS: dict[str, Callable[[str], Any]] = {
     "prompt": str, "negative_prompt": str, "model": str, "steps": int, "guidance_scale": float,
-    "width": int, "height": int, "scheduler": str, "dtype": str, "priority": int, "variant": str}
+    "width": int, "height": int, "scheduler": str, "dtype": str, "priority": int, "variant": str,
+    "timestep_spacing": str, "karras": lambda cell: _BOOLEANS[cell.strip().lower()]}
+_BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+_CELL_RULES = {int: "must be an integer", float: "must be a number"}
 SPEC_ONLY = {"seed": "seeds derive from base_seed and the row's position",
              "campaign": "the campaign is the spec's name"}
 PARQUET_BATCH = 8192  # rows per Arrow batch: flat memory, few Python calls
@@ -208,6 +211,6 @@ def _csv_fields(record: list[str], columns: list[tuple[int, str, Callable[[str],
         elif cell.strip():
             try:
                 fields[field] = kind(cell)
-            except ValueError:
-                return JobError(field, cell, f"must be {'an integer' if kind is int else 'a number'}")
+            except (ValueError, KeyError):
+                return JobError(field, cell, _CELL_RULES.get(kind, "must be true or false"))
     return fields

@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from renderfarm.jobs import DTYPES, SCHEDULERS
+from renderfarm.jobs import DTYPES, SCHEDULERS, SPACINGS
 
 JOB_DEFAULTS = ("model", "campaign", "steps", "guidance_scale", "negative_prompt", "width", "height",
-                "scheduler", "dtype", "variant")
+                "scheduler", "timestep_spacing", "karras", "dtype", "variant", "base", "loras")
 
 
 def job_flags(parser: argparse.ArgumentParser) -> None:
@@ -17,7 +17,9 @@ def job_flags(parser: argparse.ArgumentParser) -> None:
     the job contract's defaults (docs/design.md)."""
     parser.add_argument("prompts_args", nargs="*", metavar="PROMPT", help="prompts, one job each")
     parser.add_argument("--prompts", metavar="FILE", help=".txt (a prompt a line) or .jsonl (a job a line)")
-    parser.add_argument("--model", required=True, help="hub id[@revision], local folder or gs:// folder")
+    parser.add_argument("--model", required=True,
+                        help="hub id[@revision], local folder or gs:// folder, or one .safetensors file (local, "
+                             "gs:// or hub org/repo/file.safetensors[@revision])")
     parser.add_argument("--campaign", default="local", help="folder under --out (default: local)")
     parser.add_argument("--seed", type=int, help="base seed: job i gets SEED+i (default: random, recorded)")
     parser.add_argument("--steps", type=int, metavar="N", help="denoising steps, 1..500 (default 25)")
@@ -29,8 +31,25 @@ def job_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--height", type=int, metavar="PIXELS",
                         help="image height, a multiple of the model's size step (default: the model's native size)")
     parser.add_argument("--scheduler", choices=SCHEDULERS, help="the sampler that denoises (default: the one the model's scheduler config names)")
+    parser.add_argument("--timestep-spacing", choices=SPACINGS,
+                        help="where the steps fall on the training schedule; trailing for few-step "
+                             "models (default: the model's scheduler config)")
+    parser.add_argument("--karras", action=argparse.BooleanOptionalAction,
+                        help="Karras sigmas (lms, euler, dpm; --scheduler dpm --karras is A1111's "
+                             "'DPM++ 2M Karras') (default: the model's scheduler config)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype of the networks (default float32; bfloat16 halves memory on TPUs)")
     parser.add_argument("--variant", help="the model's weights variant, e.g. fp16 (its *.fp16.safetensors files)")
+    weights_flags(parser)
+
+
+def weights_flags(parser: argparse.ArgumentParser) -> None:
+    """What, besides --model, says which weights render: jobs and workers name the same set."""
+    parser.add_argument("--base", metavar="REF",
+                        help="for a single-file --model (x.safetensors): the pipeline whose configs and "
+                             "tokenizers it uses (default: its family's standard hub pipeline)")
+    parser.add_argument("--lora", dest="loras", action="append", metavar="REF[:SCALE]",
+                        help="a LoRA merged into the weights (file, gs:// or hub org/repo/file.safetensors; "
+                             "scale default 1.0); repeat for more (default: none)")
 
 
 def job_defaults(args: argparse.Namespace) -> dict[str, Any]:

@@ -17,7 +17,10 @@ import reprlib
 from collections.abc import Mapping
 from typing import Any
 
-SCHEDULERS = ("pndm", "ddim", "lms", "euler", "dpm")
+SCHEDULERS = ("pndm", "ddim", "lms", "euler", "dpm", "euler_a", "lcm")
+SPACINGS = ("leading", "trailing", "linspace")  # diffusers' timestep_spacing
+KARRAS_SCHEDULERS = ("lms", "euler", "dpm")  # those with Karras sigmas (use_karras_sigmas)
+UNSPACED_SCHEDULERS = ("lcm",)  # those that place their own timesteps (timestep_spacing does not apply)
 DTYPES = ("float32", "bfloat16")
 SEED_LIMIT = 2**32
 MAX_PROMPT_CHARS = 10_000  # far beyond 77 tokens; stops megabyte prompts at the door
@@ -29,10 +32,12 @@ VARIANT_RE = re.compile(r"[a-z0-9_]{1,32}")  # a weights variant: fp16, bf16, ..
 # Fields that change the pixels, so they make the job id.
 PIXEL_FIELDS = (
     "model", "prompt", "negative_prompt", "seed", "steps", "guidance_scale",
-    "width", "height", "scheduler", "dtype", "variant",
+    "width", "height", "scheduler", "dtype", "variant", "timestep_spacing", "karras", "base", "loras",
 )
 # Pixel fields that enter the canonical JSON only when set, so ids made before they existed stay.
-OPTIONAL_PIXEL_FIELDS = ("variant",)
+OPTIONAL_PIXEL_FIELDS = ("variant", "timestep_spacing", "karras", "base", "loras")
+MAX_LORAS = 16
+Lora = tuple[str, float]  # (reference, scale)
 # The canonical JSON a job id hashes: sorted keys, no spaces, UTF-8 as is. One encoder for
 # all jobs (json.dumps with options builds one per call, a third of a job id's cost).
 _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
@@ -71,7 +76,8 @@ class JobError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class JobSpec:
-    """One image. `None` for width, height or scheduler means the model's own default."""
+    """One image. `None` for width, height, scheduler, timestep_spacing or karras means the
+    model's own default (its unet and scheduler configs)."""
 
     prompt: str
     model: str
@@ -86,6 +92,10 @@ class JobSpec:
     campaign: str = "local"
     priority: int | None = None
     variant: str | None = None  # which weights files of the model (diffusers' `variant`); None: the default
+    timestep_spacing: str | None = None  # leading, trailing or linspace; None: the scheduler config's
+    karras: bool | None = None  # Karras sigmas (lms, euler, dpm); None: the scheduler config's
+    base: str | None = None  # a single-file model's pipeline (configs, tokenizers); None: its family's standard one
+    loras: tuple[Lora, ...] | None = None  # merged into the weights at load, in this order
 
     @functools.cached_property
     def job_id(self) -> str:
@@ -95,6 +105,8 @@ class JobSpec:
         for name in OPTIONAL_PIXEL_FIELDS:
             if fields[name] is None:
                 del fields[name]
+        if "loras" in fields:
+            fields["loras"] = [list(lora) for lora in fields["loras"]]
         canonical = _CANONICAL.encode(fields)
         return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:32]
 
@@ -165,6 +177,61 @@ def check_variant(value: Any) -> str:
     return value
 
 
+def parse_lora(value: Any) -> Lora:
+    """A LoRA as a job names it: "REF[:SCALE]" (scale 1 when absent; a tail that is not a
+    number belongs to the reference, as in gs://...) or [REF, SCALE]."""
+    if isinstance(value, (list, tuple)) and len(value) == 2:
+        ref, scale = value
+    elif isinstance(value, str):
+        ref, _, tail = value.rpartition(":")
+        try:
+            scale = float(tail)
+        except ValueError:
+            ref, scale = value, 1.0
+        if not ref:
+            ref, scale = value, 1.0
+    else:
+        raise JobError("loras", value, 'each must be "REF[:SCALE]" or [REF, SCALE]')
+    check_text("loras", ref, MAX_MODEL_CHARS)
+    if not ref.strip():
+        raise JobError("loras", value, "a LoRA reference must not be empty")
+    return ref, check_number("loras", scale, -10, 10)
+
+
+def parse_loras(value: Any) -> tuple[Lora, ...] | None:
+    """A job's (or a command line's) LoRA list; None or empty: none."""
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or len(value) > MAX_LORAS:
+        raise JobError("loras", value, f"must be a list of at most {MAX_LORAS} LoRAs")
+    return tuple(parse_lora(lora) for lora in value) or None
+
+
+def loras_key(loras: tuple[Lora, ...] | None) -> str | None:
+    """A short name for a LoRA set (queue names): the digest of its canonical JSON."""
+    if not loras:
+        return None
+    return hashlib.sha256(_CANONICAL.encode([list(lora) for lora in loras]).encode()).hexdigest()[:12]
+
+
+def sampler_label(scheduler: str | None, timestep_spacing: str | None, karras: bool | None) -> str:
+    """How listings name a sampler: `euler_a trailing`, `dpm karras`, `default scheduler`."""
+    parts = [scheduler or "default scheduler", timestep_spacing or ""]
+    parts.append({True: "karras", False: "no-karras", None: ""}[karras])
+    return " ".join(filter(None, parts))
+
+
+def check_sampler(scheduler: str, timestep_spacing: str | None, karras: bool | None) -> None:
+    """The rules that tie the sampler fields together, once the scheduler is known (named by
+    the job, or the model's own on the worker)."""
+    if karras and scheduler not in KARRAS_SCHEDULERS:
+        raise JobError("karras", karras, f"needs a scheduler with Karras sigmas ({', '.join(KARRAS_SCHEDULERS)}), "
+                                         f"not {scheduler}")
+    if timestep_spacing is not None and scheduler in UNSPACED_SCHEDULERS:
+        raise JobError("timestep_spacing", timestep_spacing, f"does not apply to {scheduler}, which places its "
+                                                             "own timesteps")
+
+
 def _size(field: str, value: Any, size_step: int) -> int | None:
     if value is None:
         return None
@@ -208,6 +275,16 @@ def parse_job(data: Mapping[str, Any], *, size_step: int = SIZE_STEP) -> JobSpec
     variant = data.get("variant")
     if variant is not None:
         check_variant(variant)
+    spacing = _one_of("timestep_spacing", data.get("timestep_spacing"), SPACINGS, optional=True)
+    karras = data.get("karras")
+    if karras is not None and not isinstance(karras, bool):
+        raise JobError("karras", karras, "must be true or false")
+    if scheduler is not None:
+        check_sampler(scheduler, spacing, karras)
+    base = data.get("base")
+    if base is not None and not check_text("base", base, MAX_MODEL_CHARS).strip():
+        raise JobError("base", base, "must not be empty")
+    loras = parse_loras(data.get("loras"))
 
     return JobSpec._validated(
         prompt=prompt,
@@ -223,4 +300,8 @@ def parse_job(data: Mapping[str, Any], *, size_step: int = SIZE_STEP) -> JobSpec
         campaign=check_campaign(data.get("campaign", "local")),
         priority=priority,
         variant=variant,
+        timestep_spacing=spacing,
+        karras=karras,
+        base=base,
+        loras=loras,
     )

@@ -11,7 +11,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from celery import Celery
 
-from renderfarm.jobs import JobSpec
+from renderfarm.jobs import JobSpec, Lora, loras_key
 from renderfarm.settings import Settings
 
 TASK_NAME = "renderfarm.render"
@@ -19,10 +19,16 @@ QUEUE_PREFIX = "rf."
 PRIORITY_STEPS = list(range(10))
 
 
-def queue_name(model: str, dtype: str, variant: str | None = None) -> str:
+def queue_name(model: str, dtype: str, variant: str | None = None, base: str | None = None,
+               loras: tuple[Lora, ...] | None = None) -> str:
     """Jobs for a model go to that model's queue; a worker consumes the queue of what it holds
-    (the weights variant is part of it: another variant is other weights)."""
-    return f"{QUEUE_PREFIX}{dtype}{'' if variant is None else f'.{variant}'}.{model}"
+    (the weights variant, a single file's base and the LoRA set are part of it: other weights)."""
+    name = f"{QUEUE_PREFIX}{dtype}{'' if variant is None else f'.{variant}'}.{model}"
+    if base is not None:
+        name += f"+base={base}"
+    if loras:
+        name += f"+loras={loras_key(loras)}"
+    return name
 
 
 def redis_priority(priority: int | None) -> int:
@@ -91,7 +97,7 @@ def job_message(spec: JobSpec) -> dict[str, object]:
     """The task options of one job: its id is the job id, its queue its model's."""
     return {
         "task_id": spec.job_id,
-        "queue": queue_name(spec.model, spec.dtype, spec.variant),
+        "queue": queue_name(spec.model, spec.dtype, spec.variant, spec.base, spec.loras),
         "priority": redis_priority(spec.priority),
         "kwargs": spec.to_dict(),
     }

@@ -13,7 +13,7 @@ from PIL import Image
 
 from renderfarm.jobs import JobSpec
 from tests.conftest import STEPS
-from tests.test_reference import BATCHES, ORACLE, loaded, representable, spec
+from tests.test_reference import BATCHES, DATA, ORACLE, SAMPLER_BATCHES, loaded, representable, spec
 from worker.engine import Engine
 from worker.models import LoadedModel
 from worker.png import encode_png, paeth_filter
@@ -31,16 +31,21 @@ def max_diff(a: np.ndarray, b: np.ndarray) -> int:
     return int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max())
 
 
-@pytest.mark.parametrize("folder", ["sd1/model", "sdxl/model"])
-def test_a_job_is_the_same_image_wherever_it_runs(folder: str) -> None:
+@pytest.mark.parametrize(("folder", "scheduler"), [("sd1/model", "dpm"), ("sdxl/model", "dpm"), ("sd1/model", "euler_a")])
+def test_a_job_is_the_same_image_wherever_it_runs(folder: str, scheduler: str) -> None:
     """The contract: a job's image does not depend on the batch it is in, its position in it,
-    or the device count. Checked against diffusers' PyTorch reference (tests/test_reference.py)."""
+    or the device count; nor, with a stochastic scheduler (euler_a), do the noises it draws at
+    each step. Checked against diffusers' PyTorch reference (tests/test_reference.py)."""
     model, engine = loaded(folder, None)
     assert engine.batch_size == 8 == len(jax.devices())
-    references = [job for job in BATCHES[(folder, None, "dpm", 64, 64)] if representable(job, model)]
+    if scheduler == "euler_a":
+        references, image_root = SAMPLER_BATCHES[f"{folder.split('/')[0]}/euler_a"], DATA
+    else:
+        references, image_root = BATCHES[(folder, None, scheduler, 64, 64)], ORACLE
+    references = [job for job in references if representable(job, model)]
     specs = [spec(model, job) for job in references]
     for target in (0, 1):  # no negative prompt, then one
-        expected = np.asarray(Image.open(ORACLE / references[target]["image"]).convert("RGB"))
+        expected = np.asarray(Image.open(image_root / references[target]["image"]).convert("RGB"))
         batch = specs + [dataclasses.replace(specs[target], seed=s) for s in range(8 - len(specs))]
         alone = engine.render([specs[target]])[0].image
         full = engine.render(batch)[target].image
@@ -48,7 +53,7 @@ def test_a_job_is_the_same_image_wherever_it_runs(folder: str) -> None:
         one_device = Engine(model, devices=jax.devices()[:1]).render([specs[target]])[0].image
         for name, got in (("alone", alone), ("in a full batch", full),
                           ("at another position", moved), ("on one device", one_device)):
-            assert max_diff(got, expected) <= TOLERANCE, f"{folder} job {target} {name} differs from PyTorch"
+            assert max_diff(got, expected) <= TOLERANCE, f"{folder} {scheduler} job {target} {name} differs from PyTorch"
         assert max_diff(alone, full) <= 1 and max_diff(full, moved) <= 1
     # Different jobs in one batch really are different images.
     images = [r.image for r in engine.render(specs)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import hashlib
 import io
 import json
 import re
@@ -12,12 +13,14 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from celery.result import AsyncResult
 from PIL import Image
 
+from producer.submit import submit
 from renderfarm.jobs import JobSpec
 from renderfarm.layout import (
     image_name,
@@ -27,7 +30,7 @@ from renderfarm.layout import (
     thumbnail_name,
 )
 from renderfarm.progress import Progress
-from renderfarm.queue import TASK_NAME, queue_name
+from renderfarm.queue import TASK_NAME, priority_lists, queue_name
 from renderfarm.storage import Storage, open_storage
 from tests.conftest import STEPS
 from tests.farm import (
@@ -43,6 +46,7 @@ from tests.farm import (
 from tests.flower_process import poll, run_flower
 from tests.gcs_emulator import GcsEmulator
 from tests.redis_server import RedisServer
+from tests.test_reference import DATA, ORACLE
 
 OUT = "gs://farm/out"
 REDIS_APPENDONLY = True  # Redis is restarted mid-campaign (tests/conftest.py)
@@ -251,3 +255,34 @@ def test_a_lone_job_on_an_idle_worker_does_not_wait_max_wait(farm: dict, bucket:
     assert (status["done"], status["failed"]) == (1, 0)
     assert_landed_once(bucket, [spec])
     assert json.loads(bucket.get(sidecar_name("lone", spec.job_id)))["batch"]["jobs"] == 1
+
+
+def test_a_worker_serves_one_lora_set_and_no_other(farm: dict, bucket: Storage, redis_server: RedisServer,
+                                                   cli: Any) -> None:
+    """A model reference is base + LoRAs + scales: a worker started with a LoRA consumes that
+    set's queue alone, so jobs for the plain model wait for a worker of their own (status warns
+    of it), and the LoRA jobs' sidecars name the LoRA file, its scale and its sha256."""
+    model, lora = ORACLE / "sd1" / "model", DATA / "lora" / "sd1" / "kohya.safetensors"
+    worker = WorkerProcess(model, OUT, redis_server.url, "lora", farm["logs"], farm["env"],
+                           extra=("--lora", f"{lora}:0.7"))
+    plain_queue = queue_name(str(model), "float32")
+    try:
+        worker.wait_ready(farm["app"])
+        styled = enqueue(farm["app"], farm["progress"], jobs(model, "lora-set", 4, seed=1200, loras=((str(lora), 0.7),)))
+        submit(["a plain lighthouse", "a plain fox"], model=str(model), campaign="plain-set", seed=0, steps=STEPS,
+               broker=redis_server.url, progress=False)  # as a producer does: status knows its queue
+        status = wait_done(farm["progress"], "lora-set", 4)
+        time.sleep(2)  # the window in which a worker of another set must NOT take the plain jobs
+        assert farm["progress"].status("plain-set")["done"] == 0
+        code, out, _ = cli("status", "plain-set", "--json", "--broker", redis_server.url)
+        assert code == 0
+        assert f"queue {plain_queue} has 2 jobs and no worker consumes it" in json.loads(out)["warnings"]
+    finally:
+        worker.stop()
+        redis_server.client().delete(*priority_lists(plain_queue))
+    assert (status["done"], status["failed"]) == (4, 0)
+    digest = hashlib.sha256(lora.read_bytes()).hexdigest()
+    for spec in styled:
+        record = json.loads(bucket.get(sidecar_name("lora-set", spec.job_id)))
+        assert record["model"]["loras"] == [[str(lora), 0.7]]
+        assert {"role": "lora", "file": str(lora), "scale": 0.7, "sha256": digest} in record["model"]["weights"]

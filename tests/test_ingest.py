@@ -167,7 +167,7 @@ def test_spec_file_round_trip_and_replace(tmp_path: Path) -> None:
 
 
 BAD_SPECS = {
-    "unknown key": ({"colour": "red"}, "colour='red': unknown key (known: base_seed,"),
+    "unknown key": ({"colour": "red"}, "colour='red': unknown key (known: base, base_seed,"),
     "wrong type": ({"steps": "ten"}, "steps='ten': must be an integer in 1..500"),
     "bad value": ({"guidance_scale": 99}, "guidance_scale=99: must be finite and in 0..50"),
     "missing": ({"base_seed": None}, "base_seed=None: is required"),

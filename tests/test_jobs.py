@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +29,11 @@ GOOD = {"prompt": "a fox", "model": "m", "seed": 1}
     ({"guidance_scale": 51}, "guidance_scale", "0..50"),
     ({"width": 96}, "width", "multiple of 64"),
     ({"height": 4096}, "height", "64..2048"),
-    ({"scheduler": "heun"}, "scheduler", "one of pndm, ddim, lms, euler, dpm"),
+    ({"scheduler": "heun"}, "scheduler", "one of pndm, ddim, lms, euler, dpm, euler_a, lcm"),
+    ({"timestep_spacing": "karras"}, "timestep_spacing", "one of leading, trailing, linspace"),
+    ({"karras": "yes"}, "karras", "must be true or false"),
+    ({"karras": True, "scheduler": "ddim"}, "karras", "needs a scheduler with Karras sigmas (lms, euler, dpm), not ddim"),
+    ({"timestep_spacing": "trailing", "scheduler": "lcm"}, "timestep_spacing", "does not apply to lcm"),
     ({"dtype": "float16"}, "dtype", "one of float32, bfloat16"),
     ({"campaign": "../etc"}, "campaign", "[A-Za-z0-9._-]{1,128}"),
     ({"campaign": ".."}, "campaign", "not be '.' or '..'"),
@@ -55,7 +60,7 @@ def test_job_id_is_content_derived() -> None:
     assert a.job_id == parse_job({**GOOD, "campaign": "other", "priority": 3}).job_id  # not pixels
     for change in ({"seed": 2}, {"prompt": "a dog"}, {"steps": 24}, {"guidance_scale": 7.0},
                    {"negative_prompt": "x"}, {"width": 64}, {"scheduler": "ddim"}, {"dtype": "bfloat16"},
-                   {"model": "n"}):
+                   {"model": "n"}, {"timestep_spacing": "trailing"}, {"karras": True}, {"karras": False}):
         assert parse_job({**GOOD, **change}).job_id != a.job_id, change
 
 
@@ -124,9 +129,39 @@ def test_a_weights_variant_is_part_of_the_job_and_its_queue() -> None:
               "width": None, "height": None, "scheduler": None, "dtype": "float32"}
     canonical = json.dumps(before, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     assert plain.job_id == hashlib.sha256(canonical.encode()).hexdigest()[:32]
+    # ... and so are the sampler fields: unset, they leave the id alone.
+    assert parse_job({**GOOD, "timestep_spacing": None, "karras": None}).job_id == plain.job_id
     fp16 = parse_job({**GOOD, "variant": "fp16"})
     assert fp16.job_id != plain.job_id  # other weights, other pixels
     assert job_message(fp16)["queue"] == "rf.float32.fp16.m" != job_message(plain)["queue"]
     for bad in ("FP16", "fp16/../x", "", 16):
         with pytest.raises(JobError, match=r"variant=.*: must match \[a-z0-9_\]\{1,32\}"):
             parse_job({**GOOD, "variant": bad})
+
+
+def test_a_lora_set_and_a_base_are_part_of_the_job_and_its_queue() -> None:
+    """A model reference is base + LoRAs + scales: each set has its own job ids and queue, and
+    a job without them keeps the id it had before jobs could name them."""
+    from renderfarm.queue import job_message
+
+    plain = parse_job(GOOD)
+    sets = [
+        {"loras": ["style.safetensors"]},
+        {"loras": ["style.safetensors:0.5"]},
+        {"loras": ["other/style.safetensors"]},
+        {"loras": ["style.safetensors", "detail.safetensors:0.8"]},
+        {"loras": ["detail.safetensors:0.8", "style.safetensors"]},
+        {"base": "org/base"},
+    ]
+    jobs = [parse_job({**GOOD, **fields}) for fields in sets]
+    assert len({job.job_id for job in [plain, *jobs]}) == len(sets) + 1
+    queues = {job_message(job)["queue"] for job in [plain, *jobs]}
+    assert len(queues) == len(sets) + 1 and all(q.startswith("rf.float32.m") for q in queues)
+    # the same set stated another way is the same job
+    assert parse_job({**GOOD, "loras": [["style.safetensors", 1]]}).job_id == jobs[0].job_id
+    assert parse_job({**GOOD, "loras": []}).job_id == parse_job({**GOOD, "loras": None}).job_id == plain.job_id
+    assert parse_job({**GOOD, "loras": ["gs://b/x.safetensors"]}).loras == (("gs://b/x.safetensors", 1.0),)
+    for bad, rule in ((["x:11"], "-10..10"), (["  "], "must not be empty"), ("x", "at most 16 LoRAs"),
+                      ([["x", "y"]], "must be a number"), ([3], 'each must be "REF[:SCALE]"')):
+        with pytest.raises(JobError, match=re.escape(rule)):
+            parse_job({**GOOD, "loras": bad})

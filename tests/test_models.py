@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -138,3 +140,22 @@ def test_the_hub_gives_configs_tokenizer_files_and_the_asked_weights_only() -> N
     assert fetched("fp16") == configs | {
         "text_encoder/model.fp16.safetensors", "unet/diffusion_pytorch_model.fp16.safetensors",
         "unet/diffusion_pytorch_model.fp16-00001-of-00002.safetensors"}
+
+
+def test_weights_digests_are_computed_once_per_file(tmp_path: Path) -> None:
+    """A restarted worker does not re-hash gigabytes: a file's sha256 is kept by its path, size
+    and mtime (the cache is believed: a forged entry comes back), and hashed again once it changes."""
+    from worker.digests import file_sha256
+
+    cache = tmp_path / "cache" / "sha256.json"
+    weights = tmp_path / "w.safetensors"
+    weights.write_bytes(b"weights one")
+    assert file_sha256(weights, cache) == hashlib.sha256(b"weights one").hexdigest()
+    entries = json.loads(cache.read_text())
+    assert len(entries) == 1
+    cache.write_text(json.dumps({key: "f" * 64 for key in entries}))
+    assert file_sha256(weights, cache) == "f" * 64  # from the cache, not the file
+    weights.write_bytes(b"weights two")
+    stat = weights.stat()
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert file_sha256(weights, cache) == hashlib.sha256(b"weights two").hexdigest()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -22,11 +23,12 @@ import pytest
 from flax.serialization import msgpack_serialize
 from PIL import Image
 
-from renderfarm.jobs import JobSpec
+from renderfarm.jobs import JobError, JobSpec
 from worker.engine import Engine
 from worker.models import LoadedModel, load_model
 
-ORACLE = Path(__file__).parent / "data" / "oracle"
+DATA = Path(__file__).parent / "data"
+ORACLE = DATA / "oracle"
 TOLERANCE = 2  # out of 255, per channel (the contract)
 
 
@@ -40,6 +42,30 @@ def reference_jobs() -> dict[tuple[str, str | None, str, int, int], list[dict[st
 
 
 BATCHES = reference_jobs()
+
+
+def sampler_jobs() -> dict[str, list[dict[str, Any]]]:
+    """The stochastic schedulers, the sampler options and the few-step recipes
+    (tests/oracle/samplers.py), by set; model and image paths are relative to tests/data."""
+    batches: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for job in json.loads((DATA / "samplers" / "jobs.json").read_text())["jobs"]:
+        batches[job["batch"]].append(job)
+    return dict(batches)
+
+
+SAMPLER_BATCHES = sampler_jobs()
+
+
+def lora_jobs() -> dict[str, list[dict[str, Any]]]:
+    """The LoRA references (tests/oracle/lora.py): per family and file format, the jobs diffusers
+    rendered after `load_lora_weights` and `fuse_lora(lora_scale)`; paths relative to tests/data."""
+    batches: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for job in json.loads((DATA / "lora" / "jobs.json").read_text())["jobs"]:
+        batches[job["batch"]].append(job)
+    return dict(batches)
+
+
+LORA_BATCHES = lora_jobs()
 
 
 def representable(job: dict[str, Any], model: LoadedModel) -> bool:
@@ -58,15 +84,18 @@ def loaded(folder: str, variant: str | None) -> tuple[LoadedModel, Engine]:
 def spec(model: LoadedModel, job: dict[str, Any]) -> JobSpec:
     return JobSpec(prompt=job["prompt"], model=model.ref, seed=job["seed"], steps=job["steps"],
                    negative_prompt=job["negative_prompt"] or "", guidance_scale=job["guidance_scale"],
-                   width=job["width"], height=job["height"], scheduler=job["scheduler"], variant=job["variant"])
+                   width=job["width"], height=job["height"], scheduler=job["scheduler"], variant=job["variant"],
+                   timestep_spacing=job.get("timestep_spacing"), karras=job.get("karras"), base=model.base,
+                   loras=model.loras)
 
 
-def max_diffs(engine: Engine, model: LoadedModel, jobs: list[dict[str, Any]]) -> list[int]:
+def max_diffs(engine: Engine, model: LoadedModel, jobs: list[dict[str, Any]], images: Path = ORACLE) -> list[int]:
+    """Each job's largest channel difference from its reference image (under `images`)."""
     jobs = [job for job in jobs if representable(job, model)]
     rendered = engine.render([spec(model, job) for job in jobs])
     # Like PyTorch, a scale <= 1 runs no classifier-free guidance: a program of its own.
     assert [r.key.guided for r in rendered] == [job["guidance_scale"] > 1 for job in jobs]
-    return [int(np.abs(np.asarray(Image.open(ORACLE / job["image"]).convert("RGB"), np.int16)
+    return [int(np.abs(np.asarray(Image.open(images / job["image"]).convert("RGB"), np.int16)
                        - result.image.astype(np.int16)).max())
             for job, result in zip(jobs, rendered)]
 
@@ -88,6 +117,72 @@ def test_images_match_diffusers_pytorch(batch: tuple[str, str | None, str, int, 
     model, engine = loaded(folder, variant)
     diffs = max_diffs(engine, model, BATCHES[batch])
     assert len(diffs) >= 6 and max(diffs) <= TOLERANCE, f"{batch}: max differences {diffs} (out of 255)"
+
+
+def test_the_samplers_cover_the_stochastic_schedulers_options_and_recipes() -> None:
+    sets = {batch.split("/", 1)[1] for batch in SAMPLER_BATCHES}
+    assert {"euler_a", "lcm", "dpm-karras", "turbo-1", "lightning-4", "lcm-lora-4", "hyper-sd-8"} <= sets
+    jobs = [job for batch in SAMPLER_BATCHES.values() for job in batch]
+    assert {job["timestep_spacing"] for job in jobs} >= {None, "trailing"}
+    assert {job["karras"] for job in jobs} >= {None, True}
+    assert {job["model"].split("/")[1] for job in jobs if job["scheduler"] in ("euler_a", "lcm")} == {"sd1", "sd2", "sdxl"}
+
+
+@pytest.mark.parametrize("batch", sorted(SAMPLER_BATCHES))
+def test_samplers_and_recipes_match_diffusers_pytorch(batch: str) -> None:
+    """euler_a and lcm with the contract's step noise, the job's timestep_spacing and karras over
+    the model's scheduler config, and the few-step recipes (docs/models.md): within 2/255."""
+    jobs = SAMPLER_BATCHES[batch]
+    model, engine = loaded(jobs[0]["model"].removeprefix("oracle/"), None)  # the engine the oracle's jobs use
+    diffs = max_diffs(engine, model, jobs, images=DATA)
+    assert len(diffs) >= 6 and max(diffs) <= TOLERANCE, f"{batch}: max differences {diffs} (out of 255)"
+
+
+# stabilityai/sdxl-turbo's scheduler/scheduler_config.json
+TURBO_SCHEDULER = {
+    "_class_name": "EulerAncestralDiscreteScheduler", "_diffusers_version": "0.24.0.dev0", "beta_end": 0.012,
+    "beta_schedule": "scaled_linear", "beta_start": 0.00085, "clip_sample": False, "interpolation_type": "linear",
+    "num_train_timesteps": 1000, "prediction_type": "epsilon", "sample_max_value": 1.0, "set_alpha_to_one": False,
+    "skip_prk_steps": True, "steps_offset": 1, "timestep_spacing": "trailing", "trained_betas": None,
+    "use_karras_sigmas": False,
+}
+
+
+def test_a_turbo_model_folder_needs_no_sampler_fields(tmp_path: Path) -> None:
+    """A model whose scheduler config is SDXL-Turbo's renders the Turbo recipe from its own
+    config: jobs that name no scheduler or spacing get euler_a with trailing spacing."""
+    folder = tmp_path / "turbo"
+    shutil.copytree(ORACLE / "sdxl" / "model", folder)
+    (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps(TURBO_SCHEDULER))
+    turbo = load_model(str(folder))
+    assert turbo.default_scheduler == "euler_a"
+    jobs = [{**job, "scheduler": None, "timestep_spacing": None} for job in SAMPLER_BATCHES["sdxl/turbo-1"]]
+    diffs = max_diffs(Engine(turbo), turbo, jobs, images=DATA)
+    assert max(diffs) <= TOLERANCE, diffs
+
+
+@pytest.mark.parametrize("batch", sorted(LORA_BATCHES))
+def test_loras_match_diffusers_pytorch(batch: str) -> None:
+    """A LoRA (UNet, convs and text encoders; PEFT and kohya files) merged at load at scale
+    0.7 renders what diffusers renders after load_lora_weights and fuse_lora(lora_scale=0.7)."""
+    jobs = LORA_BATCHES[batch]
+    lora = ((str(DATA / jobs[0]["lora"]), jobs[0]["lora_scale"]),)
+    model = load_model(str(DATA / jobs[0]["model"]), loras=lora)
+    assert [w["role"] for w in model.weights].count("lora") == 1
+    diffs = max_diffs(Engine(model), model, jobs, images=DATA)
+    assert len(diffs) >= 6 and max(diffs) <= TOLERANCE, f"{batch}: max differences {diffs} (out of 255)"
+
+
+def test_loras_stack_and_a_lora_of_another_family_is_refused() -> None:
+    """Two LoRAs add up: the same LoRA in its two formats at 0.35 each is the 0.7 reference;
+    and an SDXL LoRA on an SD 1.x model is refused before anything loads, naming its keys."""
+    jobs = LORA_BATCHES["lora/sd1/peft"]
+    halves = tuple((str(DATA / "lora" / "sd1" / f"{kind}.safetensors"), 0.35) for kind in ("peft", "kohya"))
+    model = load_model(str(DATA / jobs[0]["model"]), loras=halves)
+    assert [(w["role"], w["scale"]) for w in model.weights if w["role"] == "lora"] == [("lora", 0.35)] * 2
+    assert max(max_diffs(Engine(model), model, jobs, images=DATA)) <= TOLERANCE
+    with pytest.raises(JobError, match=r"sdxl/kohya.safetensors.*does not fit the model: .*modules for text_encoder_2"):
+        load_model(str(DATA / jobs[0]["model"]), loras=((str(DATA / "lora" / "sdxl" / "kohya.safetensors"), 1.0),))
 
 
 def test_flax_msgpack_weights_render_the_same(tmp_path: Path) -> None:

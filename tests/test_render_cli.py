@@ -7,6 +7,7 @@ import io
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from PIL import Image
@@ -52,7 +53,14 @@ def test_layout_sidecars_and_seeds(tiny_sd: Path, tmp_path: Path, capsys: pytest
         assert hashlib.sha256(png).hexdigest() == record["png_sha256"]
         assert Image.open(io.BytesIO(png)).size == (64, 64)
         assert record["spec"]["negative_prompt"] == "blurry" and record["spec"]["campaign"] == "c1"
-        assert record["model"] == {"ref": str(tiny_sd), "revision": None, "variant": None, "family": "sd"}
+        model = record["model"]
+        assert {k: model[k] for k in ("ref", "revision", "variant", "family", "base", "loras")} == \
+            {"ref": str(tiny_sd), "revision": None, "variant": None, "family": "sd", "base": None, "loras": []}
+        # the sha256 of every weights file the image came from
+        assert {w["role"] for w in model["weights"]} == {"pipeline"}
+        assert {w["file"].split("/")[0] for w in model["weights"]} == {"unet", "vae", "text_encoder"}
+        for weights in model["weights"]:
+            assert weights["sha256"] == hashlib.sha256((tiny_sd / weights["file"]).read_bytes()).hexdigest()
         assert record["worker"]["device_count"] == 8 and record["batch"]["slots"] == 8
         assert (record["width"], record["height"], record["scheduler"]) == (64, 64, "pndm")
         assert record["classifier_free_guidance"] is True  # the default scale, 7.5
@@ -81,8 +89,10 @@ def test_jsonl_jobs_and_gcs_output(tiny_sd: Path, tmp_path: Path, gcs: GcsEmulat
     (["a fox", "--steps", "0"], None, "steps=0: must be in 1..500"),
     (["a fox", "--guidance", "nan"], None, "guidance_scale=nan: must be finite and in 0..50"),
     ([], '{"prompt": "a"}\n{"prompt": "b", "scheduler": "heun"}\n',
-     "line 2: scheduler='heun': must be one of pndm, ddim, lms, euler, dpm"),
+     "line 2: scheduler='heun': must be one of pndm, ddim, lms, euler, dpm, euler_a, lcm"),
     ([], '{"prompt": "a"}\n{"prompt": "b",\n', "line 2: line="),
+    # the model's own scheduler (pndm) has no Karras sigmas
+    (["a fox", "--karras"], None, "karras=True: needs a scheduler with Karras sigmas (lms, euler, dpm), not pndm"),
 ])
 def test_bad_input_stops_before_rendering(tiny_sd: Path, tmp_path: Path, capsys: pytest.CaptureFixture,
                                           args: list[str], lines: str | None, message: str) -> None:
@@ -95,6 +105,24 @@ def test_bad_input_stops_before_rendering(tiny_sd: Path, tmp_path: Path, capsys:
     assert not out.exists()
 
 
+def test_sampler_flags_reach_the_job_and_its_sidecar(tiny_sd: Path, tmp_path: Path) -> None:
+    """SDXL-Turbo's settings from the command line: euler_a, trailing spacing, no guidance."""
+    out = tmp_path / "out"
+    assert render("a fox", "a dog", "--model", str(tiny_sd), "--out", str(out), "--scheduler", "euler_a",
+                  "--timestep-spacing", "trailing", "--guidance", "0", "--seed", "5") == 0
+    records = manifest(out, "local")
+    for record in records:
+        assert (record["spec"]["scheduler"], record["spec"]["timestep_spacing"], record["spec"]["karras"]) == \
+            ("euler_a", "trailing", None)
+        assert record["scheduler"] == "euler_a" and record["classifier_free_guidance"] is False
+    again = tmp_path / "again"
+    assert render("a fox", "--model", str(tiny_sd), "--out", str(again), "--scheduler", "euler_a",
+                  "--timestep-spacing", "trailing", "--guidance", "0", "--seed", "5") == 0
+    # a stochastic scheduler draws its noise from the job's seed: the same job, the same bytes
+    assert (again / "local" / f"{records[0]['job_id']}.png").read_bytes() == \
+        (out / "local" / f"{records[0]['job_id']}.png").read_bytes()
+
+
 def test_unknown_scheduler_flag_and_bad_model_folder(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit):
         render("a fox", "--model", str(tmp_path), "--out", str(tmp_path / "o"), "--scheduler", "heun")
@@ -103,10 +131,16 @@ def test_unknown_scheduler_flag_and_bad_model_folder(tmp_path: Path, capsys: pyt
     assert "must be a diffusers pipeline folder (no model_index.json found)" in capsys.readouterr().err
 
 
-def test_precompile_shapes_name_their_scheduler_and_guidance() -> None:
-    assert parse_shapes("512x512@25,768x512@30:dpm,1024x1024@4:euler:cfg-free,64x64@2:cfg-free") == [
-        (512, 512, 25, None, True), (768, 512, 30, "dpm", True), (1024, 1024, 4, "euler", False),
-        (64, 64, 2, None, False)]
-    for bad in ("64x64", "64x64@2:heun", "64x64@2:dpm:ddim", "64x64@2:cfg-free:cfg-free", "64x64@2:cfg"):
+def test_precompile_shapes_name_their_sampler_and_guidance() -> None:
+    def shape(width: int, height: int, steps: int, scheduler: str | None = None, spacing: str | None = None,
+              karras: bool | None = None, guidance: float = 7.5) -> dict[str, Any]:
+        return {"width": width, "height": height, "steps": steps, "scheduler": scheduler,
+                "timestep_spacing": spacing, "karras": karras, "guidance_scale": guidance}
+
+    assert parse_shapes("512x512@25,768x512@30:dpm:karras,1024x1024@4:euler_a:trailing:cfg-free,64x64@2:cfg-free") == [
+        shape(512, 512, 25), shape(768, 512, 30, "dpm", karras=True),
+        shape(1024, 1024, 4, "euler_a", "trailing", guidance=1.0), shape(64, 64, 2, guidance=1.0)]
+    for bad in ("64x64", "64x64@2:heun", "64x64@2:dpm:ddim", "64x64@2:cfg-free:cfg-free", "64x64@2:cfg",
+                "64x64@2:trailing:leading", "64x64@2:karras:karras"):
         with pytest.raises(JobError, match=re.escape(f"precompile={bad!r}: must be WIDTHxHEIGHT@STEPS")):
             parse_shapes(bad)

@@ -35,6 +35,15 @@ def fake_model(x: jax.Array, t: jax.Array) -> jax.Array:
     return 0.1 * jnp.sin(x) + 0.001 * t * x
 
 
+def step(scheduler: Scheduler, state: Any, output: jax.Array, i: jax.Array, sample: jax.Array) -> tuple[jax.Array, Any]:
+    """`scheduler.step`, with the stochastic ones' noise for step i as the oracle drew it:
+    normal(fold_in(PRNGKey(0), i)), the whole sample as one job."""
+    if scheduler.stochastic:
+        noise = jax.random.normal(jax.random.fold_in(jax.random.PRNGKey(0), i), sample.shape)
+        return scheduler.step(state, output, i, sample, noise)
+    return scheduler.step(state, output, i, sample)
+
+
 def scheduler_for(case: dict[str, Any]) -> Scheduler:
     return make(case["scheduler"], REFERENCE["configs"][case["config"]])
 
@@ -49,7 +58,7 @@ def denoise(scheduler: Scheduler, state: Any, noise: jax.Array, dtype: Any = jnp
         latents, state, trajectory = carry
         model_input = scheduler.scale_model_input(state, latents, i).astype(dtype)
         output = fake_model(model_input, state.timesteps[i].astype(dtype))
-        latents, state = scheduler.step(state, output, i, latents)
+        latents, state = step(scheduler, state, output, i, latents)
         return latents, state, trajectory.at[i].set(latents)
 
     _, state, trajectory = jax.lax.fori_loop(0, state.timesteps.shape[0], body, (latents, state, trajectory))
@@ -61,7 +70,7 @@ def denoise_eagerly(scheduler: Scheduler, state: Any, noise: jax.Array) -> tuple
     latents, trajectory = noise * state.init_noise_sigma, []
     for i in map(jnp.int32, range(state.timesteps.shape[0])):
         output = fake_model(scheduler.scale_model_input(state, latents, i), state.timesteps[i])
-        latents, state = scheduler.step(state, output, i, latents)
+        latents, state = step(scheduler, state, output, i, latents)
         trajectory.append(latents)
     return jnp.stack(trajectory), state
 
@@ -84,8 +93,9 @@ def test_matches_pytorch_diffusers(case_id: str) -> None:
     scheduler = scheduler_for(case)
     state = scheduler.set_timesteps(case["steps"], NOISE.shape)
 
-    # Fractional timesteps may differ in the last bit: torch's float32 sqrt is not correctly rounded.
-    np.testing.assert_allclose(state.timesteps, case["timesteps"], rtol=3e-7)
+    # Fractional timesteps may differ in the last bits: torch's float32 sqrt, log and exp are not
+    # correctly rounded, and differ with the CPU's vector unit (up to 6.3e-7 measured).
+    np.testing.assert_allclose(state.timesteps, case["timesteps"], rtol=1e-6)
     assert state.timesteps.dtype == jnp.float32
     np.testing.assert_allclose(state.init_noise_sigma, case["init_noise_sigma"], rtol=1e-6)
     run = jax.jit(denoise, static_argnums=0) if case_id in JITTED else denoise_eagerly
@@ -93,9 +103,9 @@ def test_matches_pytorch_diffusers(case_id: str) -> None:
     assert difference(case, trajectory) <= RTOL
 
 
-# One run per scheduler with history buffers in use: PRK, order-4 LMS, order-3 DPM.
+# One run per scheduler with history buffers in use (PRK, order-4 LMS, order-3 DPM) and the stochastic ones.
 HISTORY_CASES = ["pndm/sd15-skip_prk_steps=False/7", "ddim/sd21/7", "lms/sd15/7", "euler/sdxl/7",
-                 "dpm/sd15-solver_order=3-lower_order_final=False/7"]
+                 "dpm/sd15-solver_order=3-lower_order_final=False/7", "euler_a/sdxl/7", "lcm/sd15/8"]
 
 
 @pytest.mark.parametrize("case_id", HISTORY_CASES)
@@ -106,17 +116,17 @@ def test_state_shapes_fixed_and_one_trace(case_id: str) -> None:
     traces = []
 
     @jax.jit
-    def step(state: Any, sample: jax.Array, i: jax.Array) -> tuple[jax.Array, Any]:
+    def one_step(state: Any, sample: jax.Array, i: jax.Array) -> tuple[jax.Array, Any]:
         traces.append(None)
         output = fake_model(scheduler.scale_model_input(state, sample, i), state.timesteps[i])
-        return scheduler.step(state, output, i, sample)
+        return step(scheduler, state, output, i, sample)
 
     def layout(tree: Any) -> Any:
         return jax.tree.map(lambda x: (x.shape, x.dtype), tree)
 
     before, sample, trajectory = layout(state), NOISE * state.init_noise_sigma, []
     for i in range(state.timesteps.shape[0]):  # every phase (warm-up, PRK, final orders) in one program
-        sample, state = step(state, sample, jnp.int32(i))
+        sample, state = one_step(state, sample, jnp.int32(i))
         assert layout(state) == before
         trajectory.append(sample)
     assert len(traces) == 1
@@ -171,11 +181,12 @@ def test_refuses_what_pytorch_fails_on() -> None:
 @pytest.mark.parametrize("schedule", REFERENCE["schedules"])
 def test_training_schedule_matches_torch(schedule: str) -> None:
     """Bit for bit (torch.linspace's rounding, a float64 cumprod), except that zero-SNR rescaling
-    takes square roots, which torch rounds differently in the last bit."""
+    takes square roots, which torch rounds differently in the last bits, by CPU (up to 3.8e-6
+    measured: the rescaled alphas_cumprod near 0 keep few significant bits)."""
     ddim = make("ddim", REFERENCE["schedules"][schedule])
     expected = TRAJECTORIES[f"alphas_cumprod/{schedule}"]
     np.testing.assert_allclose(ddim.alphas_cumprod(ddim.rescale_betas_zero_snr), expected,
-                               rtol=3e-7 if ddim.rescale_betas_zero_snr else 0)
+                               rtol=1e-5 if ddim.rescale_betas_zero_snr else 0)
 
 
 @pytest.mark.parametrize("name", SCHEDULERS)
@@ -205,3 +216,21 @@ def test_from_config_semantics() -> None:
     assert make("ddim", {k: v for k, v in sd15.items() if k != "clip_sample"}).clip_sample is True
     # trained_betas (a JSON list) becomes a tuple: schedulers are hashable, static jit arguments.
     hash(make("ddim", REFERENCE["configs"]["trained"]))
+
+
+def test_job_sampler_fields_override_the_model_config() -> None:
+    """A job's timestep_spacing and karras win over the model's scheduler config, even where the
+    config lists them as merely defaulted; None keeps the config's; karras=True needs Karras
+    sigmas and timestep_spacing does not apply to lcm (renderfarm.jobs.check_sampler)."""
+    sdxl, sd15 = REFERENCE["configs"]["sdxl"], REFERENCE["configs"]["sd15"]
+    assert make("euler_a", sdxl, timestep_spacing="trailing").timestep_spacing == "trailing"
+    assert make("euler_a", sdxl).timestep_spacing == "leading"
+    assert make("euler", sd15, timestep_spacing="leading").timestep_spacing == "leading"  # listed as defaulted
+    dpm = make("dpm", sdxl, karras=True)
+    assert dpm.use_karras_sigmas and (dpm.solver_order, dpm.algorithm_type) == (2, "dpmsolver++")  # DPM++ 2M Karras
+    assert not make("euler", {**sdxl, "use_karras_sigmas": True}, karras=False).use_karras_sigmas
+    assert make("ddim", sd15, karras=False) == make("ddim", sd15)
+    with pytest.raises(ValueError, match=r"karras=True: needs a scheduler with Karras sigmas \(lms, euler, dpm\), not euler_a"):
+        make("euler_a", sdxl, karras=True)
+    with pytest.raises(ValueError, match="timestep_spacing='trailing': does not apply to lcm"):
+        make("lcm", sd15, timestep_spacing="trailing")

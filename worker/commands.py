@@ -10,28 +10,37 @@ import logging
 import os
 import re
 import time
+from typing import Any
 
-from renderfarm.flags import broker_flag, job_defaults, job_flags
-from renderfarm.jobs import DTYPES, SCHEDULERS, JobError
+from renderfarm.flags import broker_flag, job_defaults, job_flags, weights_flags
+from renderfarm.jobs import DTYPES, SCHEDULERS, SPACINGS, JobError, parse_loras
 
 SHAPE_RE = re.compile(r"(\d+)x(\d+)@(\d+)((?::[\w-]+)*)")
 CFG_FREE = "cfg-free"  # a --precompile option: the program of jobs with guidance <= 1
-SHAPE_RULE = f"must be WIDTHxHEIGHT@STEPS[:SCHEDULER][:{CFG_FREE}], comma-separated"
+KARRAS = "karras"  # a --precompile option: Karras sigmas
+SHAPE_RULE = (f"must be WIDTHxHEIGHT@STEPS[:SCHEDULER][:SPACING][:{KARRAS}][:{CFG_FREE}], comma-separated "
+              f"(schedulers {', '.join(SCHEDULERS)}; spacings {', '.join(SPACINGS)})")
 
 
-def parse_shapes(text: str) -> list[tuple[int, int, int, str | None, bool]]:
-    """`512x512@25,768x512@30:dpm,1024x1024@4:euler:cfg-free` ->
-    [(512, 512, 25, None, True), (768, 512, 30, "dpm", True), (1024, 1024, 4, "euler", False)]:
-    width, height, steps, scheduler, guided."""
+def parse_shapes(text: str) -> list[dict[str, Any]]:
+    """`512x512@25,1024x1024@4:euler_a:trailing:cfg-free` -> the job fields of each program
+    to compile: width, height, steps, scheduler, timestep_spacing, karras and a guidance
+    scale that picks the program with (7.5) or without (1.0) classifier-free guidance."""
     shapes = []
     for part in filter(None, text.split(",")):
         match = SHAPE_RE.fullmatch(part.strip())
         options = match[4].split(":")[1:] if match else []
-        schedulers = [o for o in options if o != CFG_FREE]
-        if not match or len(schedulers) > 1 or options.count(CFG_FREE) > 1 or not set(schedulers) <= set(SCHEDULERS):
+        schedulers = [o for o in options if o in SCHEDULERS]
+        spacings = [o for o in options if o in SPACINGS]
+        known = len(schedulers) + len(spacings) + options.count(KARRAS) + options.count(CFG_FREE)
+        if not match or known != len(options) or len(options) != len(set(options)) or len(schedulers) > 1 \
+                or len(spacings) > 1:
             raise JobError("precompile", part, SHAPE_RULE)
-        shapes.append((int(match[1]), int(match[2]), int(match[3]), schedulers[0] if schedulers else None,
-                       CFG_FREE not in options))
+        shapes.append({"width": int(match[1]), "height": int(match[2]), "steps": int(match[3]),
+                       "scheduler": schedulers[0] if schedulers else None,
+                       "timestep_spacing": spacings[0] if spacings else None,
+                       "karras": True if KARRAS in options else None,
+                       "guidance_scale": 1.0 if CFG_FREE in options else 7.5})
     return shapes
 
 
@@ -55,20 +64,19 @@ def cmd_worker(args: argparse.Namespace) -> int:
     settings = Settings.from_env(broker_url=args.broker)
     cache = enable_compilation_cache(args.compile_cache, max_bytes=args.compile_cache_max_gb * 2**30)
     started = time.perf_counter()
-    model = load_model(args.model, args.dtype, args.variant)
+    model = load_model(args.model, args.dtype, args.variant, args.base, parse_loras(args.loras))
     log = logging.getLogger("renderfarm.worker")
     log.info("%s (%s) loaded in %.1fs", model.ref, model.dtype, time.perf_counter() - started)
     engine = Engine(model, per_device_batch=args.per_device_batch, max_programs=args.max_programs,
                     executables=ExecutableStore(cache / "executables", max_bytes=args.compile_cache_max_gb * 2**30))
-    for width, height, steps, scheduler, guided in shapes:
+    for shape in shapes:
         started = time.perf_counter()
-        shape = {"prompt": "-", "model": model.ref, "seed": 0, "steps": steps, "width": width, "height": height,
-                 "scheduler": scheduler, "guidance_scale": 7.5 if guided else 1.0, "dtype": args.dtype,
-                 "variant": args.variant}
+        job = {"prompt": "-", "model": model.ref, "seed": 0, "dtype": args.dtype, "variant": args.variant,
+               "base": model.base, "loras": model.loras, **shape}
         try:
-            key = engine.check(parse_job(shape, size_step=model.size_step))
+            key = engine.check(parse_job(job, size_step=model.size_step))
         except JobError as err:
-            raise JobError("precompile", f"{width}x{height}@{steps}", str(err)) from None
+            raise JobError("precompile", f"{shape['width']}x{shape['height']}@{shape['steps']}", str(err)) from None
         engine.compiled(key)
         log.info("%s ready in %.1fs", key, time.perf_counter() - started)
     # Outages longer than the default retry window must not fail jobs: keep trying ~5 min.
@@ -82,7 +90,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
                           store_threads=args.store_threads)
     app.register_task(render_task(Batcher(processor, engine.batch_size, args.max_wait)))
     app.steps["consumer"].add(drain_step(processor, args.drain_seconds))
-    queue = queue_name(model.ref, model.dtype, model.variant)
+    queue = queue_name(model.ref, model.dtype, model.variant, model.base, model.loras)
     log.info(
         "serving %s (%s) from queue %r in batches of %d on %d %s devices, storing to %s",
         model.ref, model.dtype, queue, engine.batch_size, len(engine.devices),
@@ -114,10 +122,11 @@ def cmd_render(args: argparse.Namespace) -> int:
     from worker.models import load_model
 
     cache = enable_compilation_cache(args.compile_cache)
-    model = load_model(args.model, args.dtype, args.variant)
+    model = load_model(args.model, args.dtype, args.variant, args.base, parse_loras(args.loras))
     specs = list(build_jobs(itertools.chain(first, rows), job_defaults(args), args.seed, model.size_step))
-    storage = open_storage(args.out, durable=False)  # nothing is acked on it
     engine = Engine(model, per_device_batch=args.per_device_batch, executables=ExecutableStore(cache / "executables"))
+    engine.plan(specs)  # the model's own rules (sampler, size) refuse a job before anything is written
+    storage = open_storage(args.out, durable=False)  # nothing is acked on it
     report = render_to_storage(specs, engine, storage, progress=not args.quiet, store_threads=args.store_threads)
     for campaign in report.campaigns:
         print(f"wrote {sum(s.campaign == campaign for s in specs)} images to {storage.url(campaign)}/ "
@@ -171,11 +180,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     render.set_defaults(handler=cmd_render)
 
     worker = sub.add_parser("worker", help="serve a model's queue: render jobs in batches, store them")
-    worker.add_argument("--model", required=True, help="hub id[@revision], local folder or gs:// folder")
+    worker.add_argument("--model", required=True,
+                        help="hub id[@revision], local folder or gs:// folder, or one .safetensors file")
     worker.add_argument("--out", required=True, help="local folder or gs://bucket/prefix")
     worker.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default float32)")
     worker.add_argument("--variant", help="the model's weights variant, e.g. fp16 (its *.fp16.safetensors files); "
                                           "jobs name it too")
+    weights_flags(worker)
     worker.add_argument("--per-device-batch", type=int, default=1, metavar="N",
                         help="jobs per device in a batch (a batch is devices x N jobs; default 1)")
     worker.add_argument("--max-wait", type=float, default=2.0, metavar="SECONDS",
@@ -183,7 +194,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                              "(default 2; idle devices take it once no job has come for 50 ms)")
     store_threads_flag(worker)
     broker_flag(worker)
-    worker.add_argument("--precompile", metavar=f"WxH@STEPS[:SCHED][:{CFG_FREE}],...",
+    worker.add_argument("--precompile", metavar=f"WxH@STEPS[:SCHED][:SPACING][:{KARRAS}][:{CFG_FREE}],...",
                         help="shapes to compile before consuming anything (default: none; others compile "
                              f"when their first jobs come); :{CFG_FREE} is the program of jobs with "
                              "guidance <= 1")

@@ -146,7 +146,7 @@ def fit(placed: Mapping[str, tuple[FlaxPath, Shape]], expected: Mapping[FlaxPath
             taken[path] = name
     missing = [f"{'/'.join(path)} {list(shape)}" for path, shape in expected.items()
                if path not in taken and path not in misfits]
-    parts = [f"{_count(len(items), noun)} {verb}: {_few(items)}" for items, noun, verb in (
+    parts = [f"{count(len(items), noun)} {verb}: {few(items)}" for items, noun, verb in (
         (list(misfits.values()), "tensor", "with the wrong shape"),
         (homeless, "tensor", "with no home in the model"),
         (missing, "parameter", "left missing"),
@@ -155,11 +155,11 @@ def fit(placed: Mapping[str, tuple[FlaxPath, Shape]], expected: Mapping[FlaxPath
         raise WeightsError(where, "; ".join(parts) + " (do the weights belong to this model's config?)")
 
 
-def _count(n: int, noun: str) -> str:
+def count(n: int, noun: str) -> str:
     return f"{n} {noun}{'s' * (n != 1)}"
 
 
-def _few(items: list[str]) -> str:
+def few(items: list[str]) -> str:
     """The first few items (each cut to a sane length: names come from the file), then a count."""
     few = ", ".join(item if len(item) <= _LONGEST else f"{item[:_LONGEST]}..." for item in sorted(items)[:_SHOWN])
     return few if len(items) <= _SHOWN else f"{few} and {len(items) - _SHOWN} more"

@@ -29,7 +29,7 @@ import numpy as np
 from flax.errors import FlaxError
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from renderfarm.jobs import JobError, JobSpec
+from renderfarm.jobs import JobError, JobSpec, check_sampler, sampler_label
 from worker.executables import ExecutableStore, fingerprint, private_folder
 from worker.flops import denoise_flops, program_flops, unet_flops
 from worker.generate import Inputs, Output, Static
@@ -46,9 +46,12 @@ class ShapeKey:
     steps: int
     scheduler: str
     guided: bool = True  # classifier-free guidance (scale > 1); else one UNet call a step
+    timestep_spacing: str | None = None  # the job's; None: the model's scheduler config
+    karras: bool | None = None  # the job's; None: the model's scheduler config
 
     def __str__(self) -> str:
-        return f"{self.width}x{self.height}@{self.steps} {self.scheduler}{'' if self.guided else ' cfg-free'}"
+        sampler = sampler_label(self.scheduler, self.timestep_spacing, self.karras)
+        return f"{self.width}x{self.height}@{self.steps} {sampler}{'' if self.guided else ' cfg-free'}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +160,7 @@ class Engine:
         self._sharded = NamedSharding(mesh, BATCH)
         self._replicated = NamedSharding(mesh, REPLICATED)
         self._params = jax.device_put(model.params, self._replicated)
-        self._schedulers: dict[str, Scheduler] = {}
+        self._schedulers: dict[tuple[str, str | None, bool | None], Scheduler] = {}
         # Compiled programs, least recently used first; at most max_programs are kept.
         self._compiled: collections.OrderedDict[ShapeKey, Any] = collections.OrderedDict()
         self._lock = threading.Lock()  # programs compile on a thread of their own (worker.farm)
@@ -181,9 +184,15 @@ class Engine:
             raise JobError("dtype", spec.dtype, f"this engine runs {self.model.dtype}")
         if spec.variant != self.model.variant:
             raise JobError("variant", spec.variant, f"this engine serves the weights variant {self.model.variant!r}")
+        if spec.base != self.model.base:
+            raise JobError("base", spec.base, f"this engine serves the base {self.model.base!r}")
+        if spec.loras != self.model.loras:
+            raise JobError("loras", spec.loras, f"this engine serves the LoRA set {self.model.loras!r}")
         native = self.model.native_size
-        return ShapeKey(spec.width or native, spec.height or native, spec.steps,
-                        spec.scheduler or self.model.default_scheduler, guided=spec.guidance_scale > 1)
+        scheduler = spec.scheduler or self.model.default_scheduler
+        check_sampler(scheduler, spec.timestep_spacing, spec.karras)
+        return ShapeKey(spec.width or native, spec.height or native, spec.steps, scheduler,
+                        guided=spec.guidance_scale > 1, timestep_spacing=spec.timestep_spacing, karras=spec.karras)
 
     def plan(self, specs: Sequence[JobSpec]) -> list[tuple[ShapeKey, list[int]]]:
         """Group job indices by shape key (first-seen order) and cut them into batches."""
@@ -195,14 +204,17 @@ class Engine:
 
     # -- compilation -----------------------------------------------------------------
 
-    def _scheduler(self, name: str) -> Scheduler:
-        """Scheduler `name` made from the model's scheduler config (diffusers' from_config)."""
-        if name not in self._schedulers:
+    def scheduler(self, key: ShapeKey) -> Scheduler:
+        """The scheduler of `key`: made from the model's scheduler config (diffusers'
+        from_config) with the job's sampler fields over it."""
+        sampler = (key.scheduler, key.timestep_spacing, key.karras)
+        if sampler not in self._schedulers:
             try:
-                self._schedulers[name] = make(name, self.model.configs["scheduler"])
+                self._schedulers[sampler] = make(key.scheduler, self.model.configs["scheduler"], key.timestep_spacing, key.karras)
             except ValueError as err:
-                raise JobError("scheduler", name, f"cannot run with this model's scheduler config: {err}") from None
-        return self._schedulers[name]
+                raise JobError("scheduler", sampler_label(*sampler),
+                               f"cannot run with this model's scheduler config: {err}") from None
+        return self._schedulers[sampler]
 
     def _abstract_inputs(self) -> Inputs:
         tokenizers = self.model.tokenizers
@@ -253,7 +265,7 @@ class Engine:
                 log.info("%s: saved executable loaded", key)
                 self._flops[key] = saved[1]["flops"]
                 return saved[0]
-        fn = partial(self.model.family.generate, self.model.networks, self._scheduler(key.scheduler),
+        fn = partial(self.model.family.generate, self.model.networks, self.scheduler(key),
                      Static(key.height, key.width, key.steps, key.guided))
         # Each device runs the per-device program on its slice of the batch, as pmap
         # would; check_vma=False because the scheduler's state starts out unvarying.

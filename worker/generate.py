@@ -61,6 +61,13 @@ def initial_latents(keys: jax.Array, shape: tuple[int, int, int]) -> jax.Array:
     return one.reshape(keys.shape[0], *shape)
 
 
+def step_noise(keys: jax.Array, i: jax.Array, shape: tuple[int, int, int]) -> jax.Array:
+    """The reproducibility contract's noise rule for stochastic schedulers: step i of a job
+    adds normal(fold_in(PRNGKey(seed), i), (1, C, h, w)), its own whatever the batch."""
+    one = jax.vmap(lambda key: jax.random.normal(jax.random.fold_in(key, i), (1, *shape), jnp.float32))(keys)
+    return one.reshape(keys.shape[0], *shape)
+
+
 def denoise(unet: UNet2DConditionModel, unet_params: Any, scheduler: Scheduler, static: Static,
             latent_shape: tuple[int, int, int], inputs: Inputs, context: jax.Array,
             added: Mapping[str, jax.Array] | None) -> jax.Array:
@@ -78,11 +85,13 @@ def denoise(unet: UNet2DConditionModel, unet_params: Any, scheduler: Scheduler, 
         latents, state = carry
         model_input = scheduler.scale_model_input(state, jnp.concatenate([latents] * halves), i)
         t = jnp.broadcast_to(state.timesteps[i], model_input.shape[:1])
-        noise = unet.apply({"params": unet_params}, model_input, t, context, added).astype(jnp.float32)
+        prediction = unet.apply({"params": unet_params}, model_input, t, context, added).astype(jnp.float32)
         if static.guided:
-            uncond, text = jnp.split(noise, 2)
-            noise = uncond + guidance * (text - uncond)
-        return scheduler.step(state, noise, i, latents)
+            uncond, text = jnp.split(prediction, 2)
+            prediction = uncond + guidance * (text - uncond)
+        if scheduler.stochastic:
+            return scheduler.step(state, prediction, i, latents, step_noise(inputs.keys, i, latent_shape))
+        return scheduler.step(state, prediction, i, latents)
 
     latents, _ = jax.lax.fori_loop(0, state.timesteps.shape[0], body, (latents, state))
     return latents

@@ -1,21 +1,27 @@
 """Model loading: one path for every model reference, so tests exercise what users run.
 
 A reference is a hub id (optionally `@revision`), a local diffusers folder, or a `gs://`
-folder copied once into a local cache. Every kind is first resolved to a local folder, then
-loaded by the same code: the family from model_index.json (worker/families), each
-component's network from its config.json (worker/nn), its weights from safetensors or Flax
-msgpack (worker/weights.py; never a pickle), the tokenizers (worker/tokenizer.py) and the
-scheduler config. Nothing here imports torch, diffusers or transformers.
+folder copied once into a local cache; or one single-file checkpoint (`x.safetensors`:
+local, `gs://`, or `org/repo/x.safetensors[@revision]` on the hub) with a base pipeline
+for its configs and tokenizers. Every kind is first resolved to local files, then loaded by
+the same code: the family from model_index.json (worker/families), each component's network
+from its config.json (worker/nn), its weights from safetensors or Flax msgpack
+(worker/weights.py, worker/single_file.py; never a pickle) with any LoRAs merged
+(worker/lora.py), the tokenizers (worker/tokenizer.py) and the scheduler config. The
+sha256 of every weights file used is kept for the sidecars (worker/digests.py). Nothing
+here imports torch, diffusers or transformers.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
 import shutil
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -24,15 +30,30 @@ import jax.numpy as jnp
 from tqdm import tqdm
 
 from renderfarm.jobs import DTYPES as JOB_DTYPES
-from renderfarm.jobs import SCHEDULERS, JobError, check_variant
+from renderfarm.jobs import SCHEDULERS, JobError, Lora, check_variant
 from renderfarm.storage import open_storage
+from worker.digests import file_sha256
 from worker.families import detect
 from worker.family import Family, Networks
+from worker.lora import Patch, read_lora
 from worker.schedulers import CLASS_NAMES
+from worker.single_file import check_family, read_single_file
 from worker.tokenizer import CLIPTokenizer, TokenizerError
-from worker.weights import load_weights
+from worker.weights import (
+    PICKLE_SUFFIXES,
+    Delta,
+    TensorInfo,
+    choose_weights,
+    load_tensors,
+    load_weights,
+    safetensors_tensors,
+)
 
 DTYPES = {name: jnp.dtype(name) for name in JOB_DTYPES}
+DIGESTS = "sha256.json"  # in the model cache: worker/digests.py
+# A single file's default base, by the family its tensors show: configs and tokenizers only.
+STANDARD_BASES = {"sd1": "stable-diffusion-v1-5/stable-diffusion-v1-5", "sd2": "stabilityai/stable-diffusion-2-1",
+                  "sdxl": "stabilityai/stable-diffusion-xl-base-1.0"}
 # What a hub snapshot needs: configs, tokenizer files and weights; never a pickle.
 HUB_CONFIGS = ["*.json", "*.txt"]
 
@@ -51,6 +72,9 @@ class LoadedModel:
     params: dict[str, Any]  # component -> parameter tree (numpy)
     tokenizers: list[CLIPTokenizer]
     configs: dict[str, dict[str, Any]]  # component -> config.json, "scheduler" included
+    base: str | None = None  # a single file's base pipeline, as the jobs name it (None: the default)
+    loras: tuple[Lora, ...] | None = None  # as the jobs name them
+    weights: tuple[dict[str, Any], ...] = ()  # every weights file used: role, file, sha256 (and a LoRA's scale)
 
     @property
     def vae_scale_factor(self) -> int:
@@ -132,8 +156,9 @@ def hub_patterns(variant: str | None) -> list[str]:
     return [*HUB_CONFIGS, f"*.{variant}.safetensors", f"*.{variant}-*-of-*.safetensors"]
 
 
-def resolve(ref: str, variant: str | None = None) -> tuple[Path, str | None]:
-    """Any model reference -> (local diffusers folder, revision or None)."""
+def resolve(ref: str, variant: str | None = None, weights: bool = True) -> tuple[Path, str | None]:
+    """Any model reference -> (local diffusers folder, revision or None); from the hub, only
+    its configs and tokenizer files when `weights` is False (a single file's base)."""
     if ref.startswith("gs://"):
         return _fetch_gcs_folder(ref), None
     local = Path(ref.removeprefix("file://")).expanduser()
@@ -143,10 +168,61 @@ def resolve(ref: str, variant: str | None = None) -> tuple[Path, str | None]:
 
     repo, revision = split_ref(ref)
     try:  # huggingface_hub shows a progress bar per file while it downloads
-        folder = Path(snapshot_download(repo, revision=revision, allow_patterns=hub_patterns(variant)))
+        patterns = hub_patterns(variant) if weights else HUB_CONFIGS
+        folder = Path(snapshot_download(repo, revision=revision, allow_patterns=patterns))
     except Exception as err:  # the hub client raises many types; the user needs the reason
         raise JobError("model", ref, f"could not be resolved on the hub or its cache ({err})") from err
     return folder, folder.name  # a snapshot folder is named by its commit
+
+
+def is_single_file(ref: str) -> bool:
+    """Whether a model reference names one checkpoint file rather than a pipeline folder."""
+    return split_ref(ref)[0].lower().endswith((".safetensors", *PICKLE_SUFFIXES))
+
+
+def resolve_file(ref: str, field: str) -> tuple[Path, str | None]:
+    """A file reference (a checkpoint or a LoRA) -> (local file, revision or None): a path,
+    `gs://bucket/x.safetensors` (copied once into the cache) or `org/repo/x.safetensors[@rev]`
+    (the hub's cache). Pickle files are refused by name, never opened."""
+    name, revision = split_ref(ref)
+    if name.lower().endswith(PICKLE_SUFFIXES):
+        raise JobError(field, ref, "is a pickle file, which is never loaded: unpickling runs code from the file. "
+                                   "Convert it to .safetensors on a trusted machine (safetensors.torch.save_file)")
+    if not name.lower().endswith(".safetensors"):
+        raise JobError(field, ref, "must name a .safetensors file")
+    if ref.startswith("gs://"):
+        return _fetch_gcs_file(ref, field), None
+    local = Path(ref.removeprefix("file://")).expanduser()
+    if local.exists() or ref.startswith((".", "/", "~", "file://")):
+        if not local.is_file():
+            raise JobError(field, ref, "is not a file")
+        return local, None
+    parts = name.split("/")
+    if len(parts) < 3:
+        raise JobError(field, ref, "is neither a local file nor a hub file (org/repo/path/x.safetensors[@revision])")
+    from huggingface_hub import hf_hub_download
+
+    try:
+        path = Path(hf_hub_download("/".join(parts[:2]), "/".join(parts[2:]), revision=revision))
+    except Exception as err:  # the hub client raises many types; the user needs the reason
+        raise JobError(field, ref, f"could not be resolved on the hub or its cache ({err})") from err
+    return path, path.parents[len(parts) - 3].name  # .../snapshots/<commit>/path/x.safetensors
+
+
+def _fetch_gcs_file(url: str, field: str) -> Path:
+    """Copy one gs:// file into the local cache once (written whole, then renamed)."""
+    folder, _, name = url.rpartition("/")
+    target = cache_root() / "files" / hashlib.sha256(url.encode()).hexdigest()[:24] / name
+    if target.is_file():
+        return target
+    store = open_storage(folder)
+    if not store.exists(name):
+        raise JobError(field, url, "no such object")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{name}.partial-{os.getpid()}")
+    partial.write_bytes(store.get(name))
+    os.replace(partial, target)
+    return target
 
 
 def _read_json(ref: str, path: Path) -> dict[str, Any]:
@@ -161,20 +237,32 @@ def _read_json(ref: str, path: Path) -> dict[str, Any]:
     return data
 
 
-def load_model(ref: str, dtype: str = "float32", variant: str | None = None) -> LoadedModel:
-    """Load a diffusers pipeline folder (any reference) for the farm. With bfloat16 the
-    weights are cast; the schedulers keep their state in float32 whatever the dtype."""
+def load_model(ref: str, dtype: str = "float32", variant: str | None = None, base: str | None = None,
+               loras: tuple[Lora, ...] | None = None) -> LoadedModel:
+    """Load a model for the farm: a diffusers pipeline folder (any reference), or a single
+    checkpoint file with `base`'s configs and tokenizers; then merge `loras` (reference,
+    scale) into its weights. With bfloat16 the weights are cast (after merging); the
+    schedulers keep their state in float32 whatever the dtype."""
     if dtype not in DTYPES:
         raise JobError("dtype", dtype, f"must be one of {', '.join(DTYPES)}")
     if variant is not None:
         check_variant(variant)
-    folder, revision = resolve(ref, variant)
-    if not (folder / "model_index.json").is_file():
-        raise JobError("model", ref, "must be a diffusers pipeline folder (no model_index.json found)")
-    index = _read_json(ref, folder / "model_index.json")
-    family = detect(ref, index)
+    weights: list[dict[str, Any]] = []
+    if is_single_file(ref):
+        folder, revision, family, sources = _single_file(ref, variant, base, weights)
+        index = _read_json(ref, folder / "model_index.json")
+    else:
+        if base is not None:
+            raise JobError("base", base, "applies to a single-file --model (x.safetensors) only")
+        folder, revision = resolve(ref, variant)
+        if not (folder / "model_index.json").is_file():
+            raise JobError("model", ref, "must be a diffusers pipeline folder (no model_index.json found)")
+        index = _read_json(ref, folder / "model_index.json")
+        family = detect(ref, index)
+        sources = _folder_weights(folder, family.components, variant, weights)
     configs = {name: _read_json(ref, folder / name / "config.json") for name in family.components}
     configs["scheduler"] = _read_json(ref, folder / "scheduler" / "scheduler_config.json")
+    deltas = _lora_deltas(loras or (), family, sources, weights)
     modules, params = {}, {}
     for name, component in family.components.items():
         try:
@@ -183,11 +271,90 @@ def load_model(ref: str, dtype: str = "float32", variant: str | None = None) -> 
             raise JobError("model", ref, f"{name}/config.json: {err}") from None
         modules[name] = component.module(config, dtype=DTYPES[dtype])
         expected = jax.eval_shape(modules[name].init_params, jax.random.PRNGKey(0))
-        params[name] = load_weights(folder, name, component.kind, expected, DTYPES[dtype], variant)
+        if name in sources:
+            params[name] = load_tensors(_where(folder / name, sources[name]), component.kind, sources[name], expected,
+                                        DTYPES[dtype],
+                                        deltas.get(name))
+        else:  # Flax msgpack
+            params[name] = load_weights(folder, name, component.kind, expected, DTYPES[dtype], variant)
     try:
         tokenizers = [CLIPTokenizer.from_folder(folder / name) for name in family.tokenizers]
     except TokenizerError as err:
         raise JobError("model", ref, str(err)) from None
     networks = Networks(tuple(modules.items()), bool(index.get("force_zeros_for_empty_prompt", True)))
     return LoadedModel(ref=ref, revision=revision, family=family, dtype=dtype, variant=variant, networks=networks,
-                       params=params, tokenizers=tokenizers, configs=configs)
+                       params=params, tokenizers=tokenizers, configs=configs, base=base, loras=loras or None,
+                       weights=tuple(weights))
+
+
+def _single_file(ref: str, variant: str | None, base: str | None, weights: list[dict[str, Any]],
+                 ) -> tuple[Path, str | None, Family, dict[str, dict[str, TensorInfo]]]:
+    """A single-file checkpoint: its family from its tensors, the base pipeline's configs and
+    tokenizers (the family's standard one by default), each component's tensors from the file
+    and, for components the file does not hold (a UNet saved alone), from the base's weights."""
+    if variant is not None:
+        raise JobError("variant", variant, "a single-file checkpoint has no variants")
+    path, revision = resolve_file(ref, "model")
+    base_ref = base or STANDARD_BASES[read_single_file(path).family]
+    folder, _ = resolve(base_ref, weights=False)
+    if not (folder / "model_index.json").is_file():
+        raise JobError("base", base_ref, "must be a diffusers pipeline folder (no model_index.json found)")
+    family = detect(base_ref, _read_json(base_ref, folder / "model_index.json"))
+    configs = {name: _read_json(base_ref, folder / name / "config.json") for name in family.components}
+    single = read_single_file(path, configs)
+    check_family(single, family.name, base_ref)
+    weights.append({"role": "single_file", "file": ref, "sha256": file_sha256(path, cache_root() / DIGESTS)})
+    sources = dict(single.components)
+    missing = [name for name in family.components if name not in sources]
+    if missing:
+        folder, _ = resolve(base_ref)
+        sources |= _folder_weights(folder, missing, None, weights)
+    return folder, revision, family, sources
+
+
+def _where(component: Path, tensors: dict[str, TensorInfo]) -> Path:
+    """Where a component's tensors are, for its errors: its folder, or the single file."""
+    file = next(iter(tensors.values())).file if tensors else None
+    return component if file is None or component in file.parents else file
+
+
+def _folder_weights(folder: Path, components: Iterable[str], variant: str | None,
+                    weights: list[dict[str, Any]]) -> dict[str, dict[str, TensorInfo]]:
+    """Each component's safetensors tensors (a component with Flax msgpack weights is left
+    out: load_weights reads it); every file used goes into `weights` with its sha256."""
+    sources, files = {}, []
+    for name in components:
+        chosen = choose_weights(folder / name, variant)
+        if chosen.suffix == ".msgpack":
+            files.append(chosen)
+        else:
+            sources[name] = safetensors_tensors(chosen)
+            files += sorted({info.file for info in sources[name].values()})
+    weights += [{"role": "pipeline", "file": str(path.relative_to(folder)), "sha256": file_sha256(path, cache_root() / DIGESTS)}
+                for path in files]
+    return sources
+
+
+def _lora_deltas(loras: tuple[Lora, ...], family: Family, sources: dict[str, dict[str, TensorInfo]],
+                 weights: list[dict[str, Any]]) -> dict[str, dict[str, Delta]]:
+    """Every LoRA placed on the model (all checked before any weight is read), as a delta per
+    changed weight, by component and PyTorch tensor name: the sum of the LoRAs' scaled deltas,
+    computed when that weight is read, so no more than one weight's delta is held at once."""
+    msgpack = [name for name in family.components if name not in sources]
+    if loras and msgpack:
+        raise JobError("loras", loras[0][0], f"merge into safetensors weights; this model's {msgpack[0]} has "
+                                             "Flax msgpack weights (LoRAs need the model's safetensors weights)")
+    shapes = {name: {key: info.shape for key, info in tensors.items()} for name, tensors in sources.items()}
+    patches: dict[str, dict[str, list[tuple[Patch, float]]]] = {}
+    for lora_ref, scale in loras:
+        path, _ = resolve_file(lora_ref, "loras")
+        for component, placed in read_lora(path).fit(shapes).items():
+            for key, patch in placed.items():
+                patches.setdefault(component, {}).setdefault(key, []).append((patch, scale))
+        weights.append({"role": "lora", "file": lora_ref, "scale": scale, "sha256": file_sha256(path, cache_root() / DIGESTS)})
+    return {component: {key: functools.partial(_summed, placed) for key, placed in by_key.items()}
+            for component, by_key in patches.items()}
+
+
+def _summed(placed: list[tuple[Patch, float]]) -> Any:
+    return sum(patch.delta(scale) for patch, scale in placed)

@@ -68,7 +68,9 @@ def sidecar(result: Rendered, model: LoadedModel, png: bytes, devices: list[jax.
         "classifier_free_guidance": key.guided,
         "truncated": result.truncated,
         "model": {"ref": model.ref, "revision": model.revision, "variant": model.variant,
-                  "family": model.family.name},
+                  "family": model.family.name, "base": model.base,
+                  "loras": [list(lora) for lora in model.loras or ()],
+                  "weights": list(model.weights)},  # every file the weights came from, with its sha256
         "dtype": model.dtype,
         "png_sha256": hashlib.sha256(png).hexdigest(),
         "worker": {"host": socket.gethostname(), "pid": os.getpid(), "device_kind": devices[0].device_kind,

@@ -24,7 +24,7 @@ import math
 import mmap
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -66,14 +66,18 @@ _ST_DTYPES = {
 _FLOATS = frozenset(d.numpy for d in _ST_DTYPES.values() if d.numpy is not None)
 
 
+Delta = Callable[[], np.ndarray]  # what is added to a weight at load (a LoRA's), made when it is read
+
+
 class TensorInfo(NamedTuple):
     """One tensor of a checked safetensors header: where its bytes are in which file."""
 
     file: Path
     dtype: str
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # as the model sees it
     start: int  # absolute byte offset in the file
     nbytes: int
+    transposed: bool = False  # the bytes hold the 2-D transpose of `shape` (worker/single_file.py)
 
 
 def load_weights(folder: Path, component: str, kind: str, expected: Any, dtype: Any,
@@ -88,19 +92,35 @@ def load_weights(folder: Path, component: str, kind: str, expected: Any, dtype: 
     variant) `diffusion_flax_model.msgpack` / `flax_model.msgpack`. A missing variant is an error
     listing the variants present; pickle files are never loaded. Raises WeightsError.
     """
-    where = Path(folder) / component
+    _check_kind(Path(folder) / component, kind)
+    source = choose_weights(Path(folder) / component, variant)
+    if source.suffix == ".msgpack":
+        wanted, wrapped = _flat_expected(expected)
+        params = unflatten_dict(_read_msgpack(source, wanted, _target_dtype(dtype)))
+        return {"params": params} if wrapped else params
+    return load_tensors(source.parent, kind, safetensors_tensors(source), expected, dtype)
+
+
+def safetensors_tensors(source: Path) -> dict[str, TensorInfo]:
+    """The checked tensors of a safetensors file or of a shard index and its shards."""
+    return read_index(source) if source.name.endswith(".json") else read_header(source)
+
+
+def load_tensors(where: Path, kind: str, tensors: Mapping[str, TensorInfo], expected: Any, dtype: Any,
+                 deltas: Mapping[str, Delta] | None = None) -> Any:
+    """`load_weights` for tensors already found (a folder's files, or a single-file checkpoint's
+    share of its tensors): PyTorch names, converted and checked against `expected`. `deltas`
+    (PyTorch name -> a function giving an array of the tensor's PyTorch shape: merged LoRAs,
+    computed as each weight is read) are added in float32 before the cast to `dtype`."""
+    _check_kind(where, kind)
+    wanted, wrapped = _flat_expected(expected)
+    params = unflatten_dict(_read_safetensors(where, kind, tensors, wanted, _target_dtype(dtype), deltas or {}))
+    return {"params": params} if wrapped else params
+
+
+def _check_kind(where: Path, kind: str) -> None:
     if kind not in convert.KINDS:
         raise WeightsError(where, f"weights kind {kind!r} is not one of {', '.join(convert.KINDS)}")
-    target = _target_dtype(dtype)
-    wanted, wrapped = _flat_expected(expected)
-    source = _choose(where, variant)
-    if source.suffix == ".msgpack":
-        flat = _read_msgpack(source, wanted, target)
-    else:
-        tensors = read_index(source) if source.name.endswith(".json") else read_header(source)
-        flat = _read_safetensors(where, kind, tensors, wanted, target)
-    params = unflatten_dict(flat)
-    return {"params": params} if wrapped else params
 
 
 # ------------------------------------------------------------------------------------ choosing a file
@@ -127,7 +147,7 @@ def _variants(names: set[str]) -> list[str]:
     return sorted(found)
 
 
-def _choose(where: Path, variant: str | None) -> Path:
+def choose_weights(where: Path, variant: str | None) -> Path:
     """The file to load from the component folder (see load_weights for the order)."""
     if variant is not None and not (isinstance(variant, str) and VARIANT_RE.fullmatch(variant)):
         raise JobError("variant", variant, "must be 1 to 64 of A-Z a-z 0-9 _ -")
@@ -258,8 +278,10 @@ def read_index(index: Path) -> dict[str, TensorInfo]:
 
 
 def _read_safetensors(where: Path, kind: str, tensors: Mapping[str, TensorInfo],
-                      wanted: Mapping[tuple[str, ...], tuple[int, ...]], target: np.dtype) -> dict:
-    """Convert names and check shapes against the model, then read each tensor from an mmap."""
+                      wanted: Mapping[tuple[str, ...], tuple[int, ...]], target: np.dtype,
+                      deltas: Mapping[str, Delta]) -> dict:
+    """Convert names and check shapes against the model, then read each tensor from an mmap
+    (adding its delta, if any, in float32)."""
     plan = convert.plan(kind, {name: t.shape for name, t in tensors.items()}, wanted, str(where))
     for name in plan:
         info = tensors[name]
@@ -270,7 +292,12 @@ def _read_safetensors(where: Path, kind: str, tensors: Mapping[str, TensorInfo],
     for file in sorted({tensors[name].file for name in plan}):
         with open(file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
             for name, move in plan.items():
-                if tensors[name].file == file:
+                if tensors[name].file != file:
+                    continue
+                if name in deltas:
+                    weight = _tensor(data, tensors[name], None, np.dtype(np.float32)) + deltas[name]()
+                    flat[move.path] = np.array(weight.transpose(move.axes) if move.axes else weight, dtype=target)
+                else:
                     flat[move.path] = _tensor(data, tensors[name], move.axes, target)
     return flat
 
@@ -278,7 +305,7 @@ def _read_safetensors(where: Path, kind: str, tensors: Mapping[str, TensorInfo],
 def _tensor(data: mmap.mmap, info: TensorInfo, axes: tuple[int, ...] | None, target: np.dtype) -> np.ndarray:
     """A copy of one tensor, permuted and cast (no view outlives the mmap)."""
     view = np.frombuffer(data, _ST_DTYPES[info.dtype].numpy, math.prod(info.shape), info.start)
-    view = view.reshape(info.shape)
+    view = view.reshape(info.shape[::-1]).T if info.transposed else view.reshape(info.shape)
     return np.array(view.transpose(axes) if axes else view, dtype=target, order="C")
 
 

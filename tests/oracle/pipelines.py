@@ -42,11 +42,6 @@ import torch
 import transformers
 from diffusers import (
     AutoencoderKL,
-    DDIMScheduler,
-    DPMSolverMultistepScheduler,
-    EulerDiscreteScheduler,
-    LMSDiscreteScheduler,
-    PNDMScheduler,
     StableDiffusionPipeline,
     StableDiffusionXLPipeline,
     UNet2DConditionModel,
@@ -60,15 +55,13 @@ from transformers import (
     CLIPTokenizer,
 )
 
+from tests.oracle.noise import contract_noise
+from tests.oracle.schedulers import CLASSES
 from tests.oracle.tokenizer import bytes_to_unicode
 
-SCHEDULERS = {
-    "pndm": PNDMScheduler,
-    "ddim": DDIMScheduler,
-    "lms": LMSDiscreteScheduler,
-    "euler": EulerDiscreteScheduler,
-    "dpm": DPMSolverMultistepScheduler,
-}
+# The deterministic schedulers, each rendered for every family here (the stochastic ones, with the
+# sampler options and few-step recipes, are tests/oracle/samplers.py's).
+SCHEDULERS = {name: CLASSES[name] for name in ("pndm", "ddim", "lms", "euler", "dpm")}
 STEPS = 4
 NATIVE = (64, 64)  # (width, height): unet sample_size 8 x vae_scale_factor 8
 NON_SQUARE = (64, 128)  # (width, height): another compiled shape; latents (1, 4, 16, 8)
@@ -404,21 +397,29 @@ def contract_latents(seed: int, channels: int, width: int, height: int, factor: 
     return torch.from_numpy(np.array(noise))
 
 
-def render(pipe, scheduler: str, job: dict[str, Any], width: int, height: int) -> np.ndarray:
+def render(pipe, scheduler: str, job: dict[str, Any], width: int, height: int, steps: int = STEPS,
+           **overrides: Any) -> np.ndarray:
     """One job through the PyTorch pipeline: (height, width, 3) uint8.
 
     The scheduler is made afresh for every job from the model's own scheduler config (the one
     `from_pretrained` loaded, kept in `pipe.oracle_scheduler_config` by `load`), never from the config
-    of a scheduler swapped in before, whose explicit keys would leak into the next class.
+    of a scheduler swapped in before, whose explicit keys would leak into the next class; `overrides`
+    are from_config's (timestep_spacing, use_karras_sigmas). A stochastic scheduler's step noise is the
+    contract's, `normal(fold_in(PRNGKey(seed), step))` (tests/oracle/noise.py).
     """
-    pipe.scheduler = SCHEDULERS[scheduler].from_config(pipe.oracle_scheduler_config)
+    pipe.scheduler = CLASSES[scheduler].from_config(pipe.oracle_scheduler_config, **overrides)
     factor = pipe.vae_scale_factor
     latents = contract_latents(job["seed"], pipe.unet.config.in_channels, width, height, factor)
-    with torch.no_grad():
+    key = jax.random.PRNGKey(job["seed"])
+
+    def step_noise(step: int, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.from_numpy(np.array(jax.random.normal(jax.random.fold_in(key, step), shape, jnp.float32)))
+
+    with torch.no_grad(), contract_noise(pipe.scheduler, step_noise):
         image = pipe(
             job["prompt"],
             negative_prompt=job["negative_prompt"],
-            num_inference_steps=STEPS,
+            num_inference_steps=steps,
             guidance_scale=job["guidance_scale"],
             height=height,
             width=width,
@@ -453,25 +454,33 @@ def _set_dir(variant: str | None, scheduler: str, size: tuple[int, int]) -> str:
     return name if variant is None else f"{variant}/{name}"
 
 
-def _job_record(model: str, variant: str | None, scheduler: str, size: tuple[int, int], index: int,
-                job: dict[str, Any], image: str) -> dict[str, Any]:
+def job_record(batch: str, index: int, model: str, variant: str | None, scheduler: str, job: dict[str, Any],
+               steps: int, size: tuple[int, int], image: str, **extra: Any) -> dict[str, Any]:
+    """One reference job as the jobs.json files list it (`extra`: a part's own fields, last)."""
     width, height = size
     return {
-        "id": f"{model.split('/')[0]}/{_set_dir(variant, scheduler, size)}/{index}",
-        "batch": f"{model.split('/')[0]}/{_set_dir(variant, scheduler, size)}",
+        "id": f"{batch}/{index}",
+        "batch": batch,
         "model": model,
         "variant": variant,
         "scheduler": scheduler,
         "prompt": job["prompt"],
         "negative_prompt": job["negative_prompt"],
         "seed": job["seed"],
-        "steps": STEPS,
+        "steps": steps,
         "guidance_scale": job["guidance_scale"],
         "classifier_free_guidance": job["guidance_scale"] > 1,
         "width": width,
         "height": height,
         "image": image,
+        **extra,
     }
+
+
+def _job_record(model: str, variant: str | None, scheduler: str, size: tuple[int, int], index: int,
+                job: dict[str, Any], image: str) -> dict[str, Any]:
+    batch = f"{model.split('/')[0]}/{_set_dir(variant, scheduler, size)}"
+    return job_record(batch, index, model, variant, scheduler, job, STEPS, size, image)
 
 
 def _write_jobs(path: pathlib.Path, family: str, pipeline: str, records: list[dict[str, Any]], note: str = "") -> None:
@@ -560,14 +569,19 @@ def write_family(root: pathlib.Path, family: str, log=print) -> None:
         log("oracle: sd1-sharded (renders sd1's euler images)")
 
 
-def write(data: pathlib.Path) -> None:
-    """Rebuild data/oracle: the three tiny checkpoints, their variants and the reference images."""
+def quiet_and_deterministic() -> None:
+    """One thread, deterministic kernels, and no progress bars or truncation notices."""
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
     diffusers.utils.logging.set_verbosity_error()
     diffusers.utils.logging.disable_progress_bar()
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+
+
+def write(data: pathlib.Path) -> None:
+    """Rebuild data/oracle: the three tiny checkpoints, their variants and the reference images."""
+    quiet_and_deterministic()
     root = pathlib.Path(data) / "oracle"
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)

@@ -13,7 +13,9 @@ pipelines run, with a fake UNet.
 
 The loop is the pipelines': set_timesteps, latents = noise * init_noise_sigma, then per timestep t
 scale_model_input, the model, and step (with the pipeline's extra kwargs: eta = 0 for DDIM). The model
-is `fake_model` below, fed the scheduler's own t (an int64 or float32 tensor).
+is `fake_model` below, fed the scheduler's own t (an int64 or float32 tensor). The stochastic
+schedulers (euler_a, lcm) draw each step's noise by the contract's rule (`step_noise`), patched into
+diffusers' draw by tests/oracle/noise.py.
 """
 
 from __future__ import annotations
@@ -27,19 +29,25 @@ from pathlib import Path
 from typing import Any
 
 import diffusers
+import jax
 import numpy as np
 import torch
 from diffusers import (
     DDIMScheduler,
     DPMSolverMultistepScheduler,
+    EulerAncestralDiscreteScheduler,
     EulerDiscreteScheduler,
+    LCMScheduler,
     LMSDiscreteScheduler,
     PNDMScheduler,
 )
 from diffusers.utils import logging as diffusers_logging
 
+from tests.oracle.noise import contract_noise
+
 CLASSES = {"pndm": PNDMScheduler, "ddim": DDIMScheduler, "lms": LMSDiscreteScheduler,
-           "euler": EulerDiscreteScheduler, "dpm": DPMSolverMultistepScheduler}
+           "euler": EulerDiscreteScheduler, "dpm": DPMSolverMultistepScheduler,
+           "euler_a": EulerAncestralDiscreteScheduler, "lcm": LCMScheduler}
 CLASSES_BY_NAME = {cls.__name__: cls for cls in CLASSES.values()}
 SHAPE = (2, 4, 4, 4)
 STEPS = (1, 2, 3, 4, 7, 25)
@@ -132,6 +140,16 @@ CASES: list[tuple[str, str, dict[str, Any], tuple[int, ...]]] = [
     ("dpm", "sd15", {"solver_type": "bh2"}, (3,)),
     # unrounded timesteps; at 7 steps the first one repeats and PyTorch fails
     ("dpm", "sd15", {"beta_schedule": "squaredcos_cap_v2", "use_karras_sigmas": True}, FEW),
+    # the stochastic ones, fed the noise rule's draws (tests/oracle/noise.py)
+    ("euler_a", "sd15", {}, STEPS),
+    ("euler_a", "sdxl", {}, (1, 2, 4, 7)),
+    ("euler_a", "sdxl", {"timestep_spacing": "trailing"}, (1, 2, 4)),  # SDXL-Turbo's
+    ("euler_a", "sd21", {}, (2, 7)),
+    ("euler_a", "sd21", {"rescale_betas_zero_snr": True, "timestep_spacing": "trailing"}, (2, 7)),
+    ("lcm", "sd15", {}, (1, 2, 4, 8, 25)),
+    ("lcm", "sd21", {}, (2, 4)),
+    ("lcm", "sd15", {"original_inference_steps": 20, "clip_sample": True}, (4, 20, 25)),  # PyTorch fails at 25
+    ("lcm", "sd15", {"timestep_scaling": 3.0, "prediction_type": "sample", "beta_schedule": "linear"}, (3,)),
 ]
 
 
@@ -158,13 +176,20 @@ def run(cls: type, config: dict[str, Any], steps: int, noise: np.ndarray) -> tup
     parameters = set(inspect.signature(scheduler.step).parameters)
     extra = {k: v for k, v in (("eta", 0.0), ("generator", None)) if k in parameters}
     trajectory = []
-    for t in scheduler.timesteps:
-        model_input = scheduler.scale_model_input(latents, t)
-        latents = scheduler.step(fake_model(model_input, t), t, latents, **extra, return_dict=False)[0]
-        trajectory.append(latents.numpy())
+    with contract_noise(scheduler, lambda step, shape: step_noise(step, shape)):
+        for t in scheduler.timesteps:
+            model_input = scheduler.scale_model_input(latents, t)
+            latents = scheduler.step(fake_model(model_input, t), t, latents, **extra, return_dict=False)[0]
+            trajectory.append(latents.numpy())
     result = {"timesteps": [float(t) for t in scheduler.timesteps],
               "init_noise_sigma": float(scheduler.init_noise_sigma)}
     return result, np.stack(trajectory)
+
+
+def step_noise(step: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """The stochastic schedulers' noise here: normal(fold_in(PRNGKey(0), step), shape), the
+    contract's rule with the whole sample as one job (tests/test_schedulers.py draws the same)."""
+    return torch.from_numpy(np.array(jax.random.normal(jax.random.fold_in(jax.random.PRNGKey(0), step), shape)))
 
 
 def _defaults(cls: type) -> dict[str, Any]:

@@ -7,6 +7,11 @@ Each module here ports one PyTorch class. Everything that depends only on the co
 count (timesteps, sigmas, per-step coefficients, which multistep order each step uses) is computed
 on the host by `set_timesteps` and becomes constants; the state carries fixed-size history buffers,
 and `scale_model_input` and `step` take the traced loop index, so one compiled loop runs them all.
+
+Two are stochastic (euler_a, lcm): each step adds fresh noise. PyTorch draws it from the pipeline's
+generator, one stream for the whole batch; here each job's step i draws
+`normal(fold_in(PRNGKey(seed), i))` (worker/generate.py), so a job's pixels stay its own in any
+batch, position or device count.
 """
 
 from __future__ import annotations
@@ -16,10 +21,14 @@ from typing import Any, Protocol
 
 import jax
 
+from renderfarm.jobs import KARRAS_SCHEDULERS, check_sampler
 from renderfarm.jobs import SCHEDULERS as CONTRACT_SCHEDULERS
+from worker.schedulers.common import SigmaScheduleConfig
 from worker.schedulers.ddim import DDIMScheduler, DDIMState
 from worker.schedulers.dpm import DPMScheduler, DPMState
 from worker.schedulers.euler import EulerScheduler, EulerState
+from worker.schedulers.euler_a import EulerAncestralScheduler, EulerAncestralState
+from worker.schedulers.lcm import LCMScheduler, LCMState
 from worker.schedulers.lms import LMSScheduler, LMSState
 from worker.schedulers.pndm import PNDMScheduler, PNDMState
 
@@ -30,8 +39,12 @@ __all__ = [
     "DDIMState",
     "DPMScheduler",
     "DPMState",
+    "EulerAncestralScheduler",
+    "EulerAncestralState",
     "EulerScheduler",
     "EulerState",
+    "LCMScheduler",
+    "LCMState",
     "LMSScheduler",
     "LMSState",
     "PNDMScheduler",
@@ -41,8 +54,10 @@ __all__ = [
 ]
 
 # The job contract's scheduler names (renderfarm.jobs.SCHEDULERS), each the port of a PyTorch class.
-SCHEDULERS = {cls.name: cls for cls in (PNDMScheduler, DDIMScheduler, LMSScheduler, EulerScheduler, DPMScheduler)}
+SCHEDULERS = {cls.name: cls for cls in (PNDMScheduler, DDIMScheduler, LMSScheduler, EulerScheduler, DPMScheduler,
+                                         EulerAncestralScheduler, LCMScheduler)}
 assert tuple(SCHEDULERS) == CONTRACT_SCHEDULERS, "renderfarm.jobs.SCHEDULERS names the schedulers"
+assert KARRAS_SCHEDULERS == tuple(n for n, c in SCHEDULERS.items() if issubclass(c, SigmaScheduleConfig))
 # Scheduler classes model folders name (PyTorch's and diffusers' Flax twins) -> the contract's names.
 CLASS_NAMES = {prefix + cls.diffusers_class: cls.name for cls in SCHEDULERS.values() for prefix in ("", "Flax")}
 
@@ -51,7 +66,10 @@ class Scheduler(Protocol):
     """What the generate loop uses. States are flax struct dataclasses of float32/int32 arrays
     with at least `timesteps` ((M,) float32, what the UNet is fed at loop index i; M is the
     number of model evaluations) and `init_noise_sigma` (() float32, what the latents are
-    multiplied by after set_timesteps)."""
+    multiplied by after set_timesteps). A scheduler with `stochastic` True takes a fifth
+    argument in `step`: that step's standard-normal noise, shaped like the sample."""
+
+    stochastic: bool
 
     def set_timesteps(self, steps: int, shape: tuple[int, ...]) -> Any:
         """The state for `steps` (static) on samples of `shape` (static); host side."""
@@ -64,9 +82,17 @@ class Scheduler(Protocol):
         """The sample after model evaluation `i`, in the sample's dtype, and the new state."""
 
 
-def make(name: str, config: Mapping[str, Any]) -> Scheduler:
+def make(name: str, config: Mapping[str, Any], timestep_spacing: str | None = None,
+         karras: bool | None = None) -> Scheduler:
     """Scheduler `name` from a model's scheduler config, with diffusers' `from_config`
-    semantics; unsupported options raise ValueError naming option and value."""
+    semantics, and the job's sampler fields (None: the config's) set over it; unsupported
+    options raise ValueError naming option and value."""
     if name not in SCHEDULERS:
         raise ValueError(f"unknown scheduler {name!r} (known: {', '.join(SCHEDULERS)})")
-    return SCHEDULERS[name].from_config(config)
+    check_sampler(name, timestep_spacing, karras)
+    overrides: dict[str, Any] = {}
+    if timestep_spacing is not None:
+        overrides["timestep_spacing"] = timestep_spacing
+    if karras is not None and name in KARRAS_SCHEDULERS:
+        overrides["use_karras_sigmas"] = karras
+    return SCHEDULERS[name].from_config(config, **overrides)

@@ -40,15 +40,18 @@ class SchedulerConfig:
     name: ClassVar[str]  # make()'s name for it: the job contract's (renderfarm.jobs.SCHEDULERS)
     diffusers_class: ClassVar[str]  # the PyTorch class it ports, as model folders name it
     prediction_types: ClassVar[tuple[str, ...]] = ("epsilon", "v_prediction", "sample")
+    # A stochastic scheduler's `step` takes a fifth argument: the step's noise, drawn from the
+    # job's own key by the generate loop (the reproducibility contract's noise rule).
+    stochastic: ClassVar[bool] = False
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> Self:
-        """diffusers' `from_config`: the config's keys this class knows, except those the config
-        lists in `_use_default_values` (its own class merely defaulted them), which take this
-        class's defaults; everything else is ignored."""
+    def from_config(cls, config: Mapping[str, Any], **overrides: Any) -> Self:
+        """diffusers' `from_config(config, **overrides)`: the config's keys this class knows,
+        except those the config lists in `_use_default_values` (its own class merely defaulted
+        them), which take this class's defaults; everything else is ignored; `overrides` win."""
         defaulted = set(config.get("_use_default_values", ()))
         names = {f.name for f in dataclasses.fields(cls)}
-        given = {k: v for k, v in config.items() if k in names and k not in defaulted}
+        given = {k: v for k, v in config.items() if k in names and k not in defaulted} | overrides
         if given.get("trained_betas") is not None:
             given["trained_betas"] = tuple(float(b) for b in given["trained_betas"])
         return cls(**given)
@@ -218,6 +221,17 @@ def denoised(prediction_type: str, sample: jax.Array, model_output: jax.Array, s
         return sample - sigma * model_output
     if prediction_type == "v_prediction":
         return model_output * (-sigma / jnp.sqrt(sigma * sigma + 1)) + sample / (sigma * sigma + 1)
+    return model_output  # "sample"
+
+
+def data_prediction(prediction_type: str, sample: jax.Array, model_output: jax.Array, alpha: jax.Array,
+                    sigma: jax.Array) -> jax.Array:
+    """The alpha/sigma-parametrised schedulers' x0 estimate (dpm's and lcm's), from a sample
+    x = alpha * x0 + sigma * eps, in diffusers' op order."""
+    if prediction_type == "epsilon":
+        return (sample - sigma * model_output) / alpha
+    if prediction_type == "v_prediction":
+        return alpha * sample - sigma * model_output
     return model_output  # "sample"
 
 

@@ -23,6 +23,7 @@ from worker.schedulers.common import (
     SigmaScheduleConfig,
     check_first_timestep,
     const,
+    data_prediction,
     interp_sigmas,
     karras_sigmas,
     sigma_to_t,
@@ -174,14 +175,8 @@ class DPMScheduler(SigmaScheduleConfig):
              sample: jax.Array) -> tuple[jax.Array, DPMState]:
         """Convert the output to a data prediction x0, then a multistep update of order
         state.order[i] from the newest predictions m0, m1, m2."""
-        output, x = model_output.astype(jnp.float32), sample.astype(jnp.float32)
-        alpha, sigma = state.alpha[i], state.sigma[i]
-        if self.prediction_type == "epsilon":
-            x0 = (x - sigma * output) / alpha
-        elif self.prediction_type == "v_prediction":
-            x0 = alpha * x - sigma * output
-        else:  # sample
-            x0 = output
+        x = sample.astype(jnp.float32)
+        x0 = data_prediction(self.prediction_type, x, model_output.astype(jnp.float32), state.alpha[i], state.sigma[i])
         if self.thresholding:
             x0 = threshold(x0, self.dynamic_thresholding_ratio, self.sample_max_value)
         outputs = jnp.concatenate([x0[None], state.outputs[:-1]])
