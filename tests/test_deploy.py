@@ -701,3 +701,55 @@ def test_every_file_the_packages_read_goes_into_the_wheel() -> None:
         package, rest = path.parts[0], Path(*path.parts[1:])
         assert any(rest.match(pattern) for pattern in patterns.get(package, [])), \
             f"{path} is not in [tool.setuptools.package-data] {package}: a wheel would leave it out"
+
+
+def test_the_preemption_watcher_drains_the_worker_on_the_notice(tmp_path: Path) -> None:
+    """A spot VM's notice: the metadata server's `instance/preempted` turns TRUE. The watcher
+    long-polls it (wait_for_change, with the last ETag) and starts the worker's drain at once;
+    here the metadata server is a local stand-in and the "worker" a process that must get SIGTERM."""
+    import http.server
+    import threading
+
+    preempted, requests = threading.Event(), []
+
+    class Metadata(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            requests.append((self.path, self.headers.get("Metadata-Flavor")))
+            if "last_etag=NONE" not in self.path:
+                preempted.wait(20)  # wait_for_change: answer when the value changes
+            body = b"TRUE" if preempted.is_set() else b"FALSE"
+            self.send_response(200)
+            self.send_header("ETag", "e2" if preempted.is_set() else "e1")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metadata)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    worker = subprocess.Popen(["sleep", "60"])
+    env = {**os.environ, "METADATA_URL": f"http://127.0.0.1:{server.server_port}/instance/preempted",
+           "ON_PREEMPT": f"kill -TERM {worker.pid}"}
+    watcher = subprocess.Popen(["bash", str(TPU / "preemption-watch.sh")], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 10
+        while len(requests) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(requests) == 2 and worker.poll() is None  # waiting on the change, not draining
+        preempted.set()
+        assert worker.wait(10) == -15  # SIGTERM: the worker's warm shutdown
+        assert watcher.wait(10) == 0
+    finally:
+        worker.kill()
+        watcher.kill()
+        server.shutdown()
+    assert "this VM is being preempted" in watcher.stderr.read()
+    assert all(flavor == "Google" and "wait_for_change=true" in path for path, flavor in requests)
+    assert "last_etag=e1" in requests[1][0]
+    startup, create = STARTUP.read_text(), CREATE.read_text()
+    assert "renderfarm-preemption-watch=$here/preemption-watch.sh" in create
+    assert "renderfarm-preemption-unit=$here/renderfarm-preemption.service" in create
+    assert "systemctl enable renderfarm-preemption.service" in startup
+    assert "ExecStart=/opt/renderfarm/preemption-watch.sh" in (TPU / "renderfarm-preemption.service").read_text()

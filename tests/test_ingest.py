@@ -57,6 +57,22 @@ def test_csv_per_row_columns_override_the_spec_and_others_are_ignored(tmp_path: 
     assert scan_campaign(s).ignored_columns == ("id", "url")
 
 
+def test_sampler_and_lora_keys_reach_every_job(tmp_path: Path) -> None:
+    """A spec's timestep_spacing, karras, base and loras go into each job (and so its id and
+    queue); a CSV row may set its own spacing and karras (true/false, 1/0, yes/no)."""
+    (tmp_path / "p.csv").write_text("prompt,timestep_spacing,karras\na,,\nb,leading,no\nc,,maybe\n")
+    s = spec(tmp_path, prompts="p.csv", scheduler="dpm", timestep_spacing="trailing", karras=True,
+             loras=["style.safetensors:0.8", "detail.safetensors"])
+    scan = scan_campaign(s)
+    assert [str(b) for b in scan.first_bad] == ["line 4: karras='maybe': must be true or false"]
+    jobs = list(campaign_jobs(s))
+    assert [(j.timestep_spacing, j.karras) for j in jobs] == [("trailing", True), ("leading", False)]
+    assert {j.loras for j in jobs} == {(("style.safetensors", 0.8), ("detail.safetensors", 1.0))}
+    assert parse_spec(s.to_dict(), tmp_path) == s  # a stored schedule reads back the same
+    with pytest.raises(JobError, match="karras=True: needs a scheduler with Karras sigmas"):
+        spec(tmp_path, prompts="p.csv", scheduler="euler_a", karras=True)
+
+
 def test_csv_bad_rows_are_reported_by_line_and_keep_other_rows_seeds(tmp_path: Path) -> None:
     (tmp_path / "p.csv").write_text(
         "prompt,steps\n"

@@ -159,3 +159,44 @@ def test_weights_digests_are_computed_once_per_file(tmp_path: Path) -> None:
     stat = weights.stat()
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     assert file_sha256(weights, cache) == hashlib.sha256(b"weights two").hexdigest()
+
+
+ORACLE = Path(__file__).parent / "data" / "oracle"
+SINGLE = Path(__file__).parent / "data" / "single_file" / "sd1.safetensors"
+LORA = Path(__file__).parent / "data" / "lora" / "sd1" / "kohya.safetensors"
+
+
+def test_single_files_and_loras_from_gcs_and_the_hub(gcs: GcsEmulator, tmp_path: Path) -> None:
+    """A single file and a LoRA load the same from a path, gs:// (copied once into the cache)
+    and a hub file `org/repo/x.safetensors@revision` (the hub's cache, offline); the sidecar
+    digests name the same bytes whatever the reference."""
+    from huggingface_hub import constants
+
+    base = str(ORACLE / "sd1" / "model")
+    local = load_model(str(SINGLE), base=base, loras=((str(LORA), 0.7),))
+    gcs.create_bucket("weights")
+    bucket = open_storage("gs://weights/civitai")
+    bucket.put("sd1.safetensors", SINGLE.read_bytes())
+    bucket.put("loras/style.safetensors", LORA.read_bytes())
+    from_gcs = load_model("gs://weights/civitai/sd1.safetensors", base=base,
+                          loras=(("gs://weights/civitai/loras/style.safetensors", 0.7),))
+    commit = "89abcdef0123456789abcdef0123456789abcdef"
+    repo = Path(constants.HF_HUB_CACHE) / "models--acme--loras"
+    (repo / "snapshots" / commit / "sd1").mkdir(parents=True)
+    shutil.copy(LORA, repo / "snapshots" / commit / "sd1" / "style.safetensors")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "v2").write_text(commit)
+    from_hub = load_model(str(SINGLE), base=base, loras=(("acme/loras/sd1/style.safetensors@v2", 0.7),))
+    for other in (from_gcs, from_hub):
+        for component in local.params:
+            assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(local.params[component]),
+                                                            jax.tree.leaves(other.params[component])))
+        assert [w["sha256"] for w in other.weights] == [w["sha256"] for w in local.weights]
+    assert [w["file"] for w in from_gcs.weights] == ["gs://weights/civitai/sd1.safetensors",
+                                                    "gs://weights/civitai/loras/style.safetensors"]
+    with pytest.raises(JobError, match="loras='gs://weights/civitai/nope.safetensors': no such object"):
+        load_model(str(SINGLE), base=base, loras=(("gs://weights/civitai/nope.safetensors", 1.0),))
+    with pytest.raises(JobError, match="loras='acme/loras/sd1/style.safetensors@v3': could not be resolved"):
+        load_model(str(SINGLE), base=base, loras=(("acme/loras/sd1/style.safetensors@v3", 1.0),))
+    with pytest.raises(JobError, match="loras='style.pt': is a pickle file, which is never loaded"):
+        load_model(str(SINGLE), base=base, loras=(("style.pt", 1.0),))

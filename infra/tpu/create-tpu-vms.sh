@@ -28,8 +28,9 @@
 #                   buckets of a gs:// MODEL, PACKAGE or CONSTRAINTS (startup.sh fetches them
 #                   as the VM); roles/secretmanager.secretAccessor on BROKER_SECRET alone.
 #                   Never the Compute Engine default account (often Editor on the whole project).
-#   SPOT=1          spot VMs (cheap, preemptible; jobs of a preempted VM come back after the
-#                   visibility timeout)
+#   SPOT=1          spot VMs (cheap, preemptible): on the preemption notice the VM's
+#                   preemption watcher drains the worker, whose unfinished jobs go back on the
+#                   queue at once (infra/tpu/preemption-watch.sh)
 #   INTERNAL_IPS=1  no external IPs (the broker must be reachable privately)
 #   DRY_RUN=1       print the gcloud commands instead of running them (the account's creation
 #                   included, which a real run skips when the account exists)
@@ -149,7 +150,7 @@ fi
 # 3. The VMs, as that account.
 flags=(--zone="$ZONE" --project="$PROJECT" --accelerator-type="$accelerator" --version="$runtime"
   --metadata="$metadata"
-  --metadata-from-file="startup-script=$here/startup.sh,renderfarm-worker-unit=$here/renderfarm-worker.service"
+  --metadata-from-file="startup-script=$here/startup.sh,renderfarm-worker-unit=$here/renderfarm-worker.service,renderfarm-preemption-watch=$here/preemption-watch.sh,renderfarm-preemption-unit=$here/renderfarm-preemption.service"
   --service-account="$account" --scopes="$scopes"
   --labels="app=renderfarm,generation=$GENERATION")
 [[ ${SPOT:-0} == 1 ]] && flags+=(--spot)

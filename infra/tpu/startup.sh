@@ -17,6 +17,9 @@
 #   renderfarm-per-device-batch, renderfarm-max-wait, renderfarm-visibility-timeout,
 #   renderfarm-worker-args   optional worker settings (defaults below)
 #   renderfarm-worker-unit   required: the systemd unit (infra/tpu/renderfarm-worker.service)
+#   renderfarm-preemption-watch, renderfarm-preemption-unit
+#                            optional (create-tpu-vms.sh passes both): the spot preemption
+#                              watcher (infra/tpu/preemption-watch.sh) and its unit
 set -euo pipefail
 
 readonly METADATA=http://metadata.google.internal/computeMetadata/v1/instance/attributes
@@ -68,6 +71,8 @@ constraints=$(meta renderfarm-constraints "")
 model=$(meta renderfarm-model)
 out=$(meta renderfarm-out)
 unit=$(meta renderfarm-worker-unit)
+watch=$(meta renderfarm-preemption-watch "")
+watch_unit=$(meta renderfarm-preemption-unit "")
 broker_secret=$(meta renderfarm-broker-secret "")
 if [[ -n $broker_secret ]]; then
   broker_url=$(gcloud secrets versions access latest --secret="$broker_secret")
@@ -139,3 +144,16 @@ systemctl daemon-reload
 systemctl enable renderfarm-worker.service
 systemctl restart renderfarm-worker.service
 log "worker started: journalctl -u renderfarm-worker -f"
+
+# 6. On a spot VM, drain the worker on the preemption notice (instance/preempted), not only
+#    on the ACPI shutdown that follows it.
+if [[ -n $watch && -n $watch_unit ]]; then
+  printf '%s\n' "$watch" >"$tmp"
+  install -o root -g root -m 755 "$tmp" "$PREFIX/preemption-watch.sh"
+  printf '%s\n' "$watch_unit" >"$tmp"
+  install -o root -g root -m 644 "$tmp" /etc/systemd/system/renderfarm-preemption.service
+  systemctl daemon-reload
+  systemctl enable renderfarm-preemption.service
+  systemctl restart renderfarm-preemption.service
+  log "preemption watcher started: journalctl -u renderfarm-preemption -f"
+fi
