@@ -13,6 +13,7 @@ import redis
 from kombu.exceptions import ChannelError
 
 from renderfarm.deadletters import DeadLetters
+from renderfarm.fleet import fleet
 from renderfarm.jobs import check_campaign
 from renderfarm.progress import QUEUES, Progress
 from renderfarm.queue import make_app
@@ -76,7 +77,11 @@ def campaign_status(campaign: str, broker: str | None = None,
                                       if price_per_device_hour is not None and per_hour else None)
     queues = farm_queues(broker)
     report["queues"] = [dataclasses.asdict(q) for q in queues]
-    report["warnings"] = [q.warning for q in queues if q.warning]
+    with redis.Redis.from_url(Settings.from_env(broker_url=broker).broker_url) as client:
+        report["workers"] = fleet(client, {q.name: q.jobs for q in queues})
+    report["warnings"] = [q.warning for q in queues if q.warning] + [
+        f"worker {w['node']} has finished no job for {w['seconds_since_last_batch']:.0f} s while its queue "
+        f"{w['queue']} has jobs" for w in report["workers"] if w["stalled"]]
     return report
 
 
@@ -128,7 +133,8 @@ def _cost_lines(report: dict[str, Any]) -> list[str]:
 
 
 def format_status(report: dict[str, Any]) -> str:
-    """The report for a terminal: counts, rate and ETA, a few failures, queues, warnings."""
+    """The report for a terminal: counts, rate and ETA, a few failures, queues, the workers,
+    warnings."""
     lines = [f"campaign {report['campaign']}"
              + (" (cancel requested)" if report["cancel_requested"] else ""),
              *(f"  {name:<10} {report[name]:>8}"
@@ -146,5 +152,16 @@ def format_status(report: dict[str, Any]) -> str:
         lines += [f"  {q['name']}: {q['jobs']} jobs, {q['consumers']} consumers"
                   + (f", {q['dead_letters']} dead letters (renderfarm deadletters)" if q["dead_letters"] else "")
                   for q in report["queues"]]
+    if report["workers"]:
+        lines.append("workers (since their first batch):")
+        lines += [_worker_line(w) for w in report["workers"]]
     lines += [f"warning: {w}" for w in report["warnings"]]
     return "\n".join(lines)
+
+
+def _worker_line(worker: dict[str, Any]) -> str:
+    rate, mp = worker["images_per_second"], worker["megapixel_steps_per_second"]
+    return (f"  {worker['node']}: {worker['images']} images"
+            + ("" if rate is None else f", {rate:.2f} images/s, {mp:.1f} megapixel-steps/s")
+            + f", batches {worker['batch_fill']:.0%} full, last batch {_duration(worker['seconds_since_last_batch'])} ago"
+            + (" STALLED" if worker["stalled"] else ""))

@@ -276,7 +276,12 @@ def test_a_worker_serves_one_lora_set_and_no_other(farm: dict, bucket: Storage, 
         assert farm["progress"].status("plain-set")["done"] == 0
         code, out, _ = cli("status", "plain-set", "--json", "--broker", redis_server.url)
         assert code == 0
-        assert f"queue {plain_queue} has 2 jobs and no worker consumes it" in json.loads(out)["warnings"]
+        report = json.loads(out)
+        assert f"queue {plain_queue} has 2 jobs and no worker consumes it" in report["warnings"]
+        # the fleet: what this worker did, for the queue of its set
+        (mine,) = [w for w in report["workers"] if w["node"] == worker.name]
+        assert mine["images"] == 4 and mine["queue"] == queue_name(str(model), "float32", loras=((str(lora), 0.7),))
+        assert 0 < mine["batch_fill"] <= 1 and not mine["stalled"]
     finally:
         worker.stop()
         redis_server.client().delete(*priority_lists(plain_queue))

@@ -86,16 +86,17 @@ def cmd_worker(args: argparse.Namespace) -> int:
     # Unacked: the batches being gathered (one per shape key on the queue), the one
     # rendering, those being stored (BatchWriter keeps at most 2), and the next ones.
     app.conf.worker_prefetch_multiplier = 8 * engine.batch_size
+    queue = queue_name(model.ref, model.dtype, model.variant, model.base, model.loras)
+    node = args.node_name or node_name()
     processor = Processor(engine, storage, Progress.from_url(settings.broker_url), app, settings,
-                          store_threads=args.store_threads)
+                          store_threads=args.store_threads, node=node, queue=queue)
     app.register_task(render_task(Batcher(processor, engine.batch_size, args.max_wait)))
     app.steps["consumer"].add(drain_step(processor, args.drain_seconds))
-    queue = queue_name(model.ref, model.dtype, model.variant, model.base, model.loras)
     log.info(
         "serving %s (%s) from queue %r in batches of %d on %d %s devices, storing to %s",
         model.ref, model.dtype, queue, engine.batch_size, len(engine.devices),
         engine.devices[0].device_kind, storage.describe())
-    worker = Worker(app=app, hostname=args.node_name or node_name(), pool_cls="solo", concurrency=1,
+    worker = Worker(app=app, hostname=node, pool_cls="solo", concurrency=1,
                     queues=[queue], loglevel="INFO", without_mingle=True, without_gossip=True,
                     task_events=True, redirect_stdouts=False)
     worker.start()

@@ -23,6 +23,7 @@ events and worker state, so Flower and `inspect` see every job.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -40,6 +41,7 @@ from celery.worker.state import task_accepted, task_ready, task_reserved
 from kombu.utils.json import dumps
 
 from renderfarm import deadletters
+from renderfarm.fleet import record_batch
 from renderfarm.gallery import Refresher
 from renderfarm.jobs import JobError, JobSpec, parse_job
 from renderfarm.layout import MANIFEST_BASENAME, sidecar_name
@@ -187,8 +189,9 @@ class Processor:
     reconnections: the Gatherer of the current connection hands it batches."""
 
     def __init__(self, engine: Engine, storage: Storage, progress: Progress, app: Celery,
-                 settings: Settings, store_threads: int | None = None) -> None:
+                 settings: Settings, store_threads: int | None = None, node: str = "", queue: str = "") -> None:
         self.engine, self.storage, self.progress = engine, storage, progress
+        self.node, self.queue = node, queue  # for the fleet's view (renderfarm/fleet.py)
         self.outcomes = Outcomes(app, progress, settings.max_attempts)
         self.writer = BatchWriter(storage, engine.model, engine.devices, threads=store_threads,
                                   on_stored=self._stored, on_failed=self._store_failed)
@@ -344,6 +347,8 @@ class Processor:
 
     def _stored(self, records: list[dict[str, Any]]) -> None:
         campaigns = {record["spec"]["campaign"] for record in records}
+        with contextlib.suppress(redis.RedisError):  # the fleet's view is no reason to fail a job
+            record_batch(self.progress.r, self.node, self.queue, records)
         self._gallery_thread.submit(self.gallery.stored, campaigns)
         self._gallery_stale, self._last_stored = True, time.monotonic()
         done = []
