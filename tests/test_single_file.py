@@ -4,6 +4,7 @@ weights) load to the same parameters as the folders, and render diffusers' refer
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -32,10 +33,10 @@ def same_params(a: LoadedModel, b: LoadedModel) -> None:
 
 @pytest.fixture(scope="module")
 def folders() -> dict[str, LoadedModel]:
-    return {family: load_model(str(ORACLE / family / "model")) for family in ("sd1", "sdxl")}
+    return {family: load_model(str(ORACLE / family / "model")) for family in ("sd1", "sd2", "sdxl")}
 
 
-@pytest.mark.parametrize("family", ["sd1", "sdxl"])
+@pytest.mark.parametrize("family", ["sd1", "sd2", "sdxl"])
 def test_a_single_file_loads_the_folders_weights(family: str, folders: dict[str, LoadedModel]) -> None:
     single = load_model(str(SINGLE / f"{family}.safetensors"), base=str(ORACLE / family / "model"))
     same_params(single, folders[family])
@@ -45,7 +46,7 @@ def test_a_single_file_loads_the_folders_weights(family: str, folders: dict[str,
 
 def test_ema_copies_and_sampler_buffers_are_left_out_with_a_reason() -> None:
     base = ORACLE / "sd1" / "model"
-    configs = {name: __import__("json").loads((base / name / "config.json").read_text())
+    configs = {name: json.loads((base / name / "config.json").read_text())
                for name in ("unet", "vae", "text_encoder")}
     single = read_single_file(SINGLE / "sd1.safetensors", configs)
     assert single.family == "sd1"
@@ -55,13 +56,31 @@ def test_ema_copies_and_sampler_buffers_are_left_out_with_a_reason() -> None:
     assert set(single.components) == {"unet", "vae", "text_encoder"}
 
 
-@pytest.mark.parametrize("family", ["sd1", "sdxl"])
+@pytest.mark.parametrize("family", ["sd1", "sd2", "sdxl"])
 def test_a_single_file_renders_diffusers_references(family: str) -> None:
     """The file holds the folder's weights (diffusers' from_single_file says so), so it renders
     the folder's PyTorch references."""
     model = load_model(str(SINGLE / f"{family}.safetensors"), base=str(ORACLE / family / "model"))
     jobs = BATCHES[(f"{family}/model", None, "euler", 64, 64)]
     assert max(max_diffs(Engine(model), model, jobs)) <= TOLERANCE
+
+
+def test_sd2s_last_openclip_layer_is_left_out_as_diffusers_does(tmp_path: Path,
+                                                                folders: dict[str, LoadedModel]) -> None:
+    """SD 2.x files hold one more OpenCLIP layer than the text encoder diffusers builds (it takes
+    the penultimate layer's output): the layers past the base's config are left out, named."""
+    tensors = load_file(str(SINGLE / "sd2.safetensors"))
+    prefix = "cond_stage_model.model.transformer.resblocks."
+    extra = {name.replace(f"{prefix}1.", f"{prefix}2."): value for name, value in tensors.items()
+             if name.startswith(f"{prefix}1.")}
+    path = tmp_path / "sd2-24-layers.safetensors"
+    save_file({**tensors, **extra}, str(path))
+    base = ORACLE / "sd2" / "model"
+    same_params(load_model(str(path), base=str(base)), folders["sd2"])
+    configs = {name: json.loads((base / name / "config.json").read_text()) for name in ("unet", "vae", "text_encoder")}
+    ignored = read_single_file(path, configs).ignored
+    assert {name for name in ignored if name.startswith(f"{prefix}2.")} == set(extra)
+    assert "the base's text_encoder has 2 layers" in ignored[next(iter(extra))]
 
 
 def test_a_unet_saved_alone_takes_the_rest_from_its_base(tmp_path: Path, folders: dict[str, LoadedModel]) -> None:

@@ -5,6 +5,7 @@
     sd1.safetensors    data/oracle/sd1/model in one file, with EMA copies of its UNet (`model_ema.*`,
                        other values: a loader that took them would render other pixels) and the
                        sampler buffers real files carry (betas, alphas_cumprod, ...)
+    sd2.safetensors    data/oracle/sd2/model in one file (its text encoder in OpenCLIP's layout)
     sdxl.safetensors   data/oracle/sdxl/model in one file
 
 Each file is written by this module's own inverse of diffusers' single-file mapping, then checked:
@@ -123,6 +124,12 @@ def single_file(folder: pathlib.Path, family: str) -> dict[str, np.ndarray]:
     for name, value in _folder_tensors(folder, "vae").items():
         key, value = vae_to_ldm(name, value, vae_config)
         out[f"first_stage_model.{key}"] = value
+    if family == "sd2":  # OpenCLIP ViT-H; real files also hold its projection, which SD 2.x does not use
+        tower = openclip_to_ldm(_folder_tensors(folder, "text_encoder"))
+        out |= {f"cond_stage_model.model.{k}": v for k, v in tower.items()}
+        hidden = tower["token_embedding.weight"].shape[1]
+        out["cond_stage_model.model.text_projection"] = np.eye(hidden, dtype=np.float32)
+        return out
     clip = "cond_stage_model.transformer." if family == "sd1" else "conditioner.embedders.0.transformer."
     out |= {clip + k: v for k, v in _folder_tensors(folder, "text_encoder").items()}
     if family == "sdxl":
@@ -155,7 +162,8 @@ def write(data: pathlib.Path) -> None:
     root = data / "single_file"
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
-    for family, cls in (("sd1", StableDiffusionPipeline), ("sdxl", StableDiffusionXLPipeline)):
+    for family, cls in (("sd1", StableDiffusionPipeline), ("sd2", StableDiffusionPipeline),
+                        ("sdxl", StableDiffusionXLPipeline)):
         folder = data / "oracle" / family / "model"
         tensors = single_file(folder, family)
         if family == "sd1":

@@ -1,12 +1,13 @@
-"""What the five schedulers share: diffusers' config semantics and the host-side schedule.
+"""What the schedulers share: diffusers' config semantics and the host-side schedule.
 
 PyTorch diffusers derives everything but the per-step arithmetic (betas, alphas_cumprod, the
 timestep spacing, the sigmas) from the config and the step count alone, so here it is computed
 once on the host in numpy and becomes constants of the compiled program. It is computed the way
 PyTorch computes it: float32 where diffusers uses torch tensors (with torch's own linspace, which
 rounds differently from numpy's, and its float64 cumprod), float64 where it uses numpy, cast
-where it casts. Also shared are the few helpers that run on the device: lms's and euler's input
-scaling and x0 estimate, ddim's and dpm's dynamic thresholding.
+where it casts. Also shared are the few helpers that run on the device: the sigma schedulers'
+(lms, euler, euler_a) input scaling and x0 estimate, dpm's and lcm's x0 estimate, dynamic
+thresholding.
 """
 
 from __future__ import annotations
@@ -236,14 +237,14 @@ def data_prediction(prediction_type: str, sample: jax.Array, model_output: jax.A
 
 
 def init_noise_sigma(sigmas: np.ndarray, timestep_spacing: str) -> jax.Array:
-    """lms's and euler's init_noise_sigma: the largest sigma, or sqrt(sigma^2 + 1) of it with
+    """lms's, euler's and euler_a's init_noise_sigma: the largest sigma, or sqrt(sigma^2 + 1) of it with
     leading spacing (so SDXL's latents start at sqrt(sigma_max^2 + 1))."""
     sigma = sigmas.max()
     return const(sigma if timestep_spacing in ("linspace", "trailing") else np.sqrt(sigma * sigma + F32(1)))
 
 
 def scale_by_sigma(sample: jax.Array, sigma: jax.Array) -> jax.Array:
-    """lms's and euler's model input: the sample divided by sqrt(sigma^2 + 1)."""
+    """lms's, euler's and euler_a's model input: the sample divided by sqrt(sigma^2 + 1)."""
     return (sample / jnp.sqrt(sigma * sigma + 1)).astype(sample.dtype)
 
 
