@@ -398,7 +398,7 @@ def test_shapes_checked_before_any_data_is_read(tmp_path: Path, monkeypatch: pyt
     tensors = state_dict("unet_sd1")
     tensors["conv_in.weight"] = tensors["conv_in.weight"][:, :2]
     component(tmp_path, tensors)
-    monkeypatch.setattr(weights, "_tensor", lambda *a: pytest.fail("tensor data read before the shapes fit"))
+    monkeypatch.setattr(weights, "read_tensor", lambda *a: pytest.fail("tensor data read before the shapes fit"))
     raises("1 tensor with the wrong shape: conv_in.weight (as conv_in/kernel [3, 3, 2, 32], the model's is "
            "[3, 3, 4, 32])", tmp_path, "c",
            "unet", expected("unet_sd1"), F32)

@@ -54,7 +54,7 @@ import numpy as np
 
 from renderfarm.jobs import JobError, shown
 from worker.convert import WeightsError, count, few
-from worker.weights import _ST_DTYPES, PICKLE_SUFFIXES, TensorInfo, _tensor, read_header
+from worker.weights import PICKLE_SUFFIXES, ST_DTYPES, TensorInfo, read_header, read_tensor
 
 Shape = tuple[int, ...]
 
@@ -327,10 +327,10 @@ def _module(path: Path, data: mmap.mmap, tensors: Mapping[str, TensorInfo], comp
     if missing:
         raise WeightsError(path, f"{shown(next(iter(roles.values())))} has no {' or '.join(missing)} factor")
     for key in roles.values():
-        if _ST_DTYPES[tensors[key].dtype].numpy is None:
+        if ST_DTYPES[tensors[key].dtype].numpy is None:
             raise WeightsError(path, f"tensor {shown(key)} has dtype {tensors[key].dtype}; LoRA tensors must be "
                                      "F32, F16, BF16 or F64")
-    down, up = (_tensor(data, tensors[roles[role]], None, np.dtype(np.float32)) for role in ("down", "up"))
+    down, up = (read_tensor(data, tensors[roles[role]], None, np.dtype(np.float32)) for role in ("down", "up"))
     key = roles["down"]
     if not (down.ndim == up.ndim and down.ndim in (2, 4) and up.shape[1:2] == down.shape[:1] and down.shape[0] > 0
             and up.shape[2:] in ((), (1, 1))):
@@ -338,7 +338,7 @@ def _module(path: Path, data: mmap.mmap, tensors: Mapping[str, TensorInfo], comp
                                  "LoRA pair: down (rank, in[, kh, kw]), up (out, rank[, 1, 1])")
     alpha = None
     if "alpha" in roles:
-        value = _tensor(data, tensors[roles["alpha"]], None, np.dtype(np.float64))
+        value = read_tensor(data, tensors[roles["alpha"]], None, np.dtype(np.float64))
         if value.size != 1:
             raise WeightsError(path, f"{shown(roles['alpha'])} has shape {list(value.shape)}, not a single number")
         alpha = _alpha(path, shown(roles["alpha"]), float(value.reshape(())))

@@ -55,7 +55,7 @@ class _Dtype(NamedTuple):
 
 
 # Every dtype of the safetensors format with a whole number of bytes per element.
-_ST_DTYPES = {
+ST_DTYPES = {
     "F64": _Dtype(8, np.dtype("<f8")), "F32": _Dtype(4, np.dtype("<f4")),
     "F16": _Dtype(2, np.dtype("<f2")), "BF16": _Dtype(2, np.dtype(ml_dtypes.bfloat16)),
     **{name: _Dtype(size, None) for name, size in (
@@ -63,7 +63,7 @@ _ST_DTYPES = {
         ("I8", 1), ("U8", 1), ("BOOL", 1), ("F8_E4M3", 1), ("F8_E5M2", 1),
     )},
 }
-_FLOATS = frozenset(d.numpy for d in _ST_DTYPES.values() if d.numpy is not None)
+_FLOATS = frozenset(d.numpy for d in ST_DTYPES.values() if d.numpy is not None)
 
 
 Delta = Callable[[], np.ndarray]  # what is added to a weight at load (a LoRA's), made when it is read
@@ -224,8 +224,8 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
             raise bad(f"{where} is not an object with dtype, shape and data_offsets")
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if not isinstance(dtype, str) or dtype not in _ST_DTYPES:
-            raise bad(f"{where} has unknown dtype {shown(dtype)} (known: {', '.join(_ST_DTYPES)})")
+        if not isinstance(dtype, str) or dtype not in ST_DTYPES:
+            raise bad(f"{where} has unknown dtype {shown(dtype)} (known: {', '.join(ST_DTYPES)})")
         if not isinstance(shape, list) or not all(map(_is_count, shape)):
             raise bad(f"{where} has shape {shown(shape)}, not a list of non-negative integers")
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))):
@@ -233,7 +233,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         begin, end = offsets
         if not begin <= end <= data_size:
             raise bad(f"{where} has data_offsets {offsets} outside the file's {data_size} bytes of data")
-        need = math.prod(shape) * _ST_DTYPES[dtype].itemsize
+        need = math.prod(shape) * ST_DTYPES[dtype].itemsize
         if end - begin != need:
             raise bad(f"{where} has {end - begin} bytes of data, but {dtype} x {shown(shape)} needs {need}")
         tensors[name] = TensorInfo(path, dtype, tuple(shape), data_start + begin, end - begin)
@@ -285,7 +285,7 @@ def _read_safetensors(where: Path, kind: str, tensors: Mapping[str, TensorInfo],
     plan = convert.plan(kind, {name: t.shape for name, t in tensors.items()}, wanted, str(where))
     for name in plan:
         info = tensors[name]
-        if _ST_DTYPES[info.dtype].numpy is None:
+        if ST_DTYPES[info.dtype].numpy is None:
             raise WeightsError(where, f"{info.file.name}: tensor {shown(name)} has dtype {info.dtype}; "
                                       "weights must be F32, F16, BF16 or F64")
     flat = {}
@@ -295,16 +295,16 @@ def _read_safetensors(where: Path, kind: str, tensors: Mapping[str, TensorInfo],
                 if tensors[name].file != file:
                     continue
                 if name in deltas:
-                    weight = _tensor(data, tensors[name], None, np.dtype(np.float32)) + deltas[name]()
+                    weight = read_tensor(data, tensors[name], None, np.dtype(np.float32)) + deltas[name]()
                     flat[move.path] = np.array(weight.transpose(move.axes) if move.axes else weight, dtype=target)
                 else:
-                    flat[move.path] = _tensor(data, tensors[name], move.axes, target)
+                    flat[move.path] = read_tensor(data, tensors[name], move.axes, target)
     return flat
 
 
-def _tensor(data: mmap.mmap, info: TensorInfo, axes: tuple[int, ...] | None, target: np.dtype) -> np.ndarray:
+def read_tensor(data: mmap.mmap, info: TensorInfo, axes: tuple[int, ...] | None, target: np.dtype) -> np.ndarray:
     """A copy of one tensor, permuted and cast (no view outlives the mmap)."""
-    view = np.frombuffer(data, _ST_DTYPES[info.dtype].numpy, math.prod(info.shape), info.start)
+    view = np.frombuffer(data, ST_DTYPES[info.dtype].numpy, math.prod(info.shape), info.start)
     view = view.reshape(info.shape[::-1]).T if info.transposed else view.reshape(info.shape)
     return np.array(view.transpose(axes) if axes else view, dtype=target, order="C")
 
