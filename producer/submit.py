@@ -37,7 +37,7 @@ from tqdm import tqdm
 from producer.ingest import build_jobs, prompt_rows
 from renderfarm.jobs import JobError, JobSpec
 from renderfarm.progress import Progress, key
-from renderfarm.queue import TASK_NAME, job_message, make_app
+from renderfarm.queue import ENQUEUED_HEADER, TASK_NAME, job_message, make_app
 from renderfarm.settings import Settings
 
 CHUNK = 1000  # jobs per round trip: big enough to amortise it, small enough to stay flat
@@ -94,7 +94,7 @@ class _TaskMessages:
 
     KWARGS = {"rf-slot": "kwargs"}  # stands for a job's kwargs in the body
     SLOTS = {"id": "rf-slot-id", "kwargsrepr": "rf-slot-kwargsrepr", "body": "rf-slot-body",
-             "tag": "rf-slot-delivery-tag"}  # stand for the rest in the envelope
+             "tag": "rf-slot-delivery-tag", "enqueued": "rf-slot-enqueued"}  # stand for the rest in the envelope
 
     def __init__(self, app: Celery, producer: Producer) -> None:
         self.app, self.channel = app, producer.channel
@@ -113,7 +113,7 @@ class _TaskMessages:
             shown = saferepr(kwargs, self.repr_limit)
         body = self.channel.encode_body(body_head + encode(kwargs) + body_tail, self.channel.body_encoding)[0]
         return key, envelope.format(id=encode(message["task_id"]), kwargsrepr=encode(shown),
-                                    body=encode(body), tag=encode(uuid()))
+                                    body=encode(body), tag=encode(uuid()), enqueued=repr(time.time()))
 
     def _template(self, queue_name: str, priority: int) -> tuple[str, str, str, str]:
         """What `send_task_message` and `Producer.publish` make of a job for this queue and
@@ -121,6 +121,7 @@ class _TaskMessages:
         amqp, channel, slots = self.app.amqp, self.channel, self.SLOTS
         headers, properties, body, _ = amqp.as_task_v2(
             slots["id"], TASK_NAME, kwargs=self.KWARGS, argsrepr=NO_ARGS_REPR, kwargsrepr=slots["kwargsrepr"])
+        headers[ENQUEUED_HEADER] = slots["enqueued"]  # the queue wait's start (worker/metrics.py)
         content_type, content_encoding, payload = serialize(body, serializer=self.app.conf.task_serializer)
         body_head, body_tail = payload.split(self.json.encode(self.KWARGS))
         queue = amqp.queues[queue_name]

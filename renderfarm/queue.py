@@ -15,6 +15,7 @@ from renderfarm.jobs import JobSpec, Lora, loras_key
 from renderfarm.settings import Settings
 
 TASK_NAME = "renderfarm.render"
+ENQUEUED_HEADER = "rf_enqueued"  # a message header: when the producer enqueued it (unix seconds)
 QUEUE_PREFIX = "rf."
 PRIORITY_STEPS = list(range(10))
 

@@ -22,6 +22,7 @@ from producer.submit import enqueue_jobs
 from renderfarm.jobs import JobError, JobSpec
 from renderfarm.progress import Progress
 from renderfarm.queue import (
+    ENQUEUED_HEADER,
     TASK_NAME,
     job_message,
     make_app,
@@ -98,14 +99,17 @@ def test_submit_jsonl_routes_each_job_to_its_model_queue_and_priority(broker: st
                                         campaign="c2", priority=3).to_dict()
 
 
-def stored_queues(server: RedisServer) -> dict[bytes, list[str]]:
-    """Each queue list's messages as Redis holds them, their random delivery tags blanked."""
+def stored_queues(server: RedisServer, since: float = 0.0) -> dict[bytes, list[str]]:
+    """Each queue list's messages as Redis holds them, their random delivery tags and their
+    enqueue times (each checked to be no earlier than `since`) blanked."""
     client, tag = server.client(), re.compile(r'"delivery_tag": "[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}"')
+    enqueued = re.compile(rf'"{ENQUEUED_HEADER}": ([0-9.e+-]+)')
     lists = {}
     for name in client.scan_iter("rf.*", _type="list"):
         messages = [m.decode() for m in client.lrange(name, 0, -1)]
         assert all(len(tag.findall(m)) == 1 for m in messages)
-        lists[name] = [tag.sub('"delivery_tag": "-"', m) for m in messages]
+        assert all(len(times := enqueued.findall(m)) == 1 and since <= float(times[0]) <= time.time() for m in messages)
+        lists[name] = [enqueued.sub(f'"{ENQUEUED_HEADER}": -', tag.sub('"delivery_tag": "-"', m)) for m in messages]
     return lists
 
 
@@ -121,8 +125,9 @@ def test_a_job_is_the_message_celery_and_kombu_would_write(broker: str, redis_se
              JobSpec(prompt="b2", model="org/m", seed=8, campaign="c1"),
              # a kwargsrepr past Celery's size limit: Celery's saferepr cuts it
              JobSpec(prompt="p" * 10_000, negative_prompt="n" * 10_000, model="org/m", seed=7, campaign="c1")]
+    started = time.time()
     enqueue_jobs(specs, Settings(broker_url=broker))
-    ours = stored_queues(redis_server)
+    ours = stored_queues(redis_server, since=started)
 
     redis_server.client().flushall()
     with make_app(Settings(broker_url=broker)) as app, app.producer_or_acquire() as producer:
@@ -131,6 +136,7 @@ def test_a_job_is_the_message_celery_and_kombu_would_write(broker: str, redis_se
             shown = repr(m["kwargs"])  # what Flower shows, as submit always sent it
             task = app.amqp.as_task_v2(m["task_id"], TASK_NAME, kwargs=m["kwargs"],
                                        kwargsrepr=shown if len(shown) <= app.amqp.kwargsrepr_maxsize else None)
+            task.headers[ENQUEUED_HEADER] = 0.0  # ours carry the enqueue time (the queue wait's start)
             app.amqp.send_task_message(producer, TASK_NAME, task, queue=m["queue"], priority=m["priority"])
     assert ours == stored_queues(redis_server)
     assert sorted(len(v) for v in ours.values()) == [1, 1, 1, 3]  # 4 lists: queue x priority

@@ -88,8 +88,20 @@ def cmd_worker(args: argparse.Namespace) -> int:
     app.conf.worker_prefetch_multiplier = 8 * engine.batch_size
     queue = queue_name(model.ref, model.dtype, model.variant, model.base, model.loras)
     node = args.node_name or node_name()
+    metrics = None
+    if args.metrics_port is not None:
+        from worker.metrics import WorkerMetrics
+
+        metrics = WorkerMetrics(engine.devices[0].device_kind, len(engine.devices))
+        metrics.compiled(engine.compiles, engine.compile_seconds)  # --precompile's
+        try:
+            metrics.serve(args.metrics_port)
+        except OSError as err:
+            raise JobError("metrics-port", args.metrics_port, f"cannot be served ({err}); give each worker "
+                                                              "on a host its own port") from None
+        log.info("metrics on http://0.0.0.0:%d/metrics", args.metrics_port)
     processor = Processor(engine, storage, Progress.from_url(settings.broker_url), app, settings,
-                          store_threads=args.store_threads, node=node, queue=queue)
+                          store_threads=args.store_threads, node=node, queue=queue, metrics=metrics)
     app.register_task(render_task(Batcher(processor, engine.batch_size, args.max_wait)))
     app.steps["consumer"].add(drain_step(processor, args.drain_seconds))
     log.info(
@@ -200,6 +212,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                              f"when their first jobs come); :{CFG_FREE} is the program of jobs with "
                              "guidance <= 1")
     worker.add_argument("--node-name", metavar="NAME", help="Celery node name (default: renderfarm-PID@HOST)")
+    worker.add_argument("--metrics-port", type=int, metavar="PORT",
+                        help="serve Prometheus metrics on this port at /metrics (default: off; each worker "
+                             "on a host needs its own port)")
     compile_cache_flag(worker)
     worker.add_argument("--compile-cache-max-gb", type=float, metavar="GB",
                         default=float(os.environ.get("RENDERFARM_COMPILE_CACHE_MAX_GB", 10)),

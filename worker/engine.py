@@ -170,6 +170,7 @@ class Engine:
         self._last_collected = 0.0  # when the devices last finished a batch (perf_counter)
         self._flops: dict[ShapeKey, float | None] = {}
         self.compile_seconds = 0.0
+        self.compiles = 0  # programs compiled (not loaded from saved executables)
         self.cache_hits = 0  # programs found in the persistent compilation cache
         _count_jax_events()
 
@@ -279,6 +280,7 @@ class Engine:
         program = lowered.compile()
         seconds = time.perf_counter() - start
         self.compile_seconds += seconds
+        self.compiles += 1
         log.info("%s: compiled in %.1fs", key, seconds)
         from_cache = JAX_EVENTS[CACHE_HIT] - hits
         self.cache_hits += from_cache

@@ -46,11 +46,12 @@ from renderfarm.gallery import Refresher
 from renderfarm.jobs import JobError, JobSpec, parse_job
 from renderfarm.layout import MANIFEST_BASENAME, sidecar_name
 from renderfarm.progress import Progress
-from renderfarm.queue import TASK_NAME
+from renderfarm.queue import ENQUEUED_HEADER, TASK_NAME
 from renderfarm.settings import Settings
 from renderfarm.storage import Storage
 from worker.engine import Engine, InFlight, Rendered, ShapeKey
 from worker.flops import describe_rate
+from worker.metrics import WorkerMetrics
 from worker.output import BatchWriter
 
 log = logging.getLogger("renderfarm.worker")
@@ -93,8 +94,8 @@ class Outcomes:
     logged: the message, still unacknowledged, comes back after the visibility timeout and
     its next delivery finds what was stored."""
 
-    def __init__(self, app: Celery, progress: Progress, max_attempts: int) -> None:
-        self.app, self.progress, self.max_attempts = app, progress, max_attempts
+    def __init__(self, app: Celery, progress: Progress, max_attempts: int, metrics: WorkerMetrics | None) -> None:
+        self.app, self.progress, self.max_attempts, self.metrics = app, progress, max_attempts, metrics
 
     def succeeded(self, done: list[tuple[Job, dict[str, Any]]]) -> None:
         ids = [job.ident for job, _ in done]
@@ -109,6 +110,7 @@ class Outcomes:
         """Not a job this worker can render: failed for good, and kept with its reason in the
         queue's dead letters, from where an operator can requeue it once the cause is fixed."""
         log.warning("job %s failed: %s", request.id, reason)
+        self._count("invalid")
 
         def record() -> None:
             pipe = self.progress.r.pipeline()
@@ -150,9 +152,11 @@ class Outcomes:
         away, the worker stopping) does not count. Either way the job goes back on the
         queue at once."""
         if counts and job.attempt >= self.max_attempts:
+            self._count("attempts")
             self.failed(job, f"{reason} (after {job.attempt} attempts)")
             return
         log.warning("job %s attempt %d did not finish, queued again: %s", job.request.id, job.attempt, reason)
+        self._count("storage" if reason.startswith(("storage", "broker")) else "render")
 
         def record() -> None:
             if not counts:
@@ -161,6 +165,10 @@ class Outcomes:
 
         self._recorded(record, "released", 1)
         self._end(job.request, requeue=True)
+
+    def _count(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.failed.labels(reason).inc()
 
     def _recorded(self, record: Callable[[], object], what: str, jobs: int) -> bool:
         try:
@@ -189,10 +197,13 @@ class Processor:
     reconnections: the Gatherer of the current connection hands it batches."""
 
     def __init__(self, engine: Engine, storage: Storage, progress: Progress, app: Celery,
-                 settings: Settings, store_threads: int | None = None, node: str = "", queue: str = "") -> None:
+                 settings: Settings, store_threads: int | None = None, node: str = "", queue: str = "",
+                 metrics: WorkerMetrics | None = None) -> None:
         self.engine, self.storage, self.progress = engine, storage, progress
         self.node, self.queue = node, queue  # for the fleet's view (renderfarm/fleet.py)
-        self.outcomes = Outcomes(app, progress, settings.max_attempts)
+        self.metrics = metrics
+        self._handed: dict[int, float] = {}  # batch seq -> when it went to the writer (store seconds)
+        self.outcomes = Outcomes(app, progress, settings.max_attempts, metrics)
         self.writer = BatchWriter(storage, engine.model, engine.devices, threads=store_threads,
                                   on_stored=self._stored, on_failed=self._store_failed)
         self.gatherer: Gatherer | None = None  # the current connection's
@@ -267,6 +278,8 @@ class Processor:
             task_accepted(job.request)
             job.request.send_event("task-started")
             fresh.append(job)
+        if self.metrics is not None:
+            self.metrics.admitted(job.request.request_dict.get(ENQUEUED_HEADER) for job in fresh)
         return fresh
 
     def _stored_already(self, job: Job) -> bool:
@@ -317,6 +330,10 @@ class Processor:
             self._one_by_one(jobs)
             return
         self._rate.add(started.key, len(rendered))
+        if self.metrics is not None and rendered:
+            batch = rendered[0].batch
+            self.metrics.rendered(batch.jobs, batch.slots, batch.seconds, self.engine.flops(started.key))
+            self.metrics.compiled(self.engine.compiles, self.engine.compile_seconds)
         self._hand_over(rendered, jobs)
 
     def _one_by_one(self, jobs: list[Job]) -> None:
@@ -332,6 +349,8 @@ class Processor:
     # -- store -----------------------------------------------------------------------
 
     def _hand_over(self, rendered: list[Rendered], jobs: list[Job]) -> None:
+        if rendered:
+            self._handed[rendered[0].batch.seq] = time.monotonic()
         for job in jobs:
             self._storing.setdefault(job.ident, []).append(job)
         self.writer.submit(rendered)  # stored and acked while the next batch renders
@@ -349,6 +368,9 @@ class Processor:
         campaigns = {record["spec"]["campaign"] for record in records}
         with contextlib.suppress(redis.RedisError):  # the fleet's view is no reason to fail a job
             record_batch(self.progress.r, self.node, self.queue, records)
+        if self.metrics is not None:
+            handed = self._handed.pop(records[0]["batch"]["seq"], None) if records else None
+            self.metrics.stored(records, time.monotonic() - handed if handed is not None else 0.0)
         self._gallery_thread.submit(self.gallery.stored, campaigns)
         self._gallery_stale, self._last_stored = True, time.monotonic()
         done = []

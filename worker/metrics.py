@@ -1,0 +1,98 @@
+"""Prometheus metrics of one worker process (`renderfarm worker --metrics-port P`).
+
+Each worker has a registry of its own (several workers on one host each serve their own port),
+updated at the points of a job's life in worker/farm.py: admitted (queue wait), batch rendered
+(render seconds, fill, FLOP/s), batch stored (images and device-seconds per campaign, store
+seconds), failed (by reason), compiled. infra/grafana/renderfarm.json is a dashboard of them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+# Peak dense bfloat16 FLOP/s per chip (public figures); a device kind not here (CPU) exports
+# no fraction of peak.
+PEAK_FLOPS = {
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5e": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v6 lite": 918e12,
+    "TPU v6e": 918e12,
+}
+FAILURE_REASONS = ("invalid", "render", "storage", "attempts")
+SECONDS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+WAITS = (1, 5, 15, 60, 300, 900, 3600, 4 * 3600, 24 * 3600)
+
+
+def peak_flops(device_kind: str) -> float | None:
+    """A device's peak FLOP/s, from its kind as JAX names it; None when unknown."""
+    return PEAK_FLOPS.get(device_kind)
+
+
+class WorkerMetrics:
+    """The metrics, in their own registry."""
+
+    def __init__(self, device_kind: str, devices: int) -> None:
+        self.registry = r = CollectorRegistry()
+        self.peak = None if peak_flops(device_kind) is None else peak_flops(device_kind) * devices
+        self.images = Counter("renderfarm_images_rendered", "Images stored", ["campaign"], registry=r)
+        self.failed = Counter("renderfarm_images_failed", "Jobs failed or retried, by reason", ["reason"],
+                              registry=r)
+        self.batches = Counter("renderfarm_batches", "Batches rendered", registry=r)
+        self.fill = Histogram("renderfarm_batch_fill", "Jobs over slots of each batch",
+                              buckets=(0.125, 0.25, 0.5, 0.75, 0.99, 1.0), registry=r)
+        self.queue_wait = Histogram("renderfarm_queue_wait_seconds", "Enqueue to start of rendering",
+                                    buckets=WAITS, registry=r)
+        self.render_seconds = Histogram("renderfarm_render_seconds", "A batch's start to its collection",
+                                        buckets=SECONDS, registry=r)
+        self.store_seconds = Histogram("renderfarm_store_seconds", "A batch's hand-over to its last stored image",
+                                       buckets=SECONDS, registry=r)
+        self.compiles = Counter("renderfarm_compiles", "Programs compiled", registry=r)
+        self.compile_seconds = Counter("renderfarm_compile_seconds", "Seconds spent compiling", registry=r)
+        self.device_seconds = Counter("renderfarm_device_seconds", "Device-seconds of stored images",
+                                      ["campaign"], registry=r)
+        self.flops = Gauge("renderfarm_flops_per_second", "FLOP/s of the last batch, all devices", registry=r)
+        self.peak_fraction = Gauge("renderfarm_peak_fraction", "Achieved over peak FLOP/s (known devices)",
+                                   registry=r)
+        self._compiles_seen = (0, 0.0)
+
+    def serve(self, port: int) -> None:
+        """Serve /metrics on `port` (OSError if it is taken: each worker needs its own)."""
+        start_http_server(port, registry=self.registry)
+
+    def admitted(self, enqueued: Iterable[Any], now: float | None = None) -> None:
+        """Queue waits of jobs starting to render; a missing or implausible time is skipped
+        (anything may arrive on a queue)."""
+        now = time.time() if now is None else now
+        for sent in enqueued:
+            if isinstance(sent, (int, float)) and not isinstance(sent, bool) and math.isfinite(sent) \
+                    and 0 <= now - sent < 30 * 24 * 3600:
+                self.queue_wait.observe(now - sent)
+
+    def rendered(self, jobs: int, slots: int, seconds: float, flops: float | None) -> None:
+        self.batches.inc()
+        self.fill.observe(jobs / slots)
+        self.render_seconds.observe(seconds)
+        if flops and seconds > 0:
+            self.flops.set(flops / seconds)
+            if self.peak:
+                self.peak_fraction.set(flops / seconds / self.peak)
+
+    def stored(self, records: Iterable[dict[str, Any]], seconds: float) -> None:
+        self.store_seconds.observe(seconds)
+        for record in records:
+            campaign = record["spec"]["campaign"]
+            self.images.labels(campaign).inc()
+            self.device_seconds.labels(campaign).inc(record["device_seconds"])
+
+    def compiled(self, count: int, seconds: float) -> None:
+        """The engine's totals so far (compiles run on their own thread; counted as seen)."""
+        self.compiles.inc(count - self._compiles_seen[0])
+        self.compile_seconds.inc(seconds - self._compiles_seen[1])
+        self._compiles_seen = (count, seconds)
