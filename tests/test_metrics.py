@@ -12,10 +12,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import redis
+from prometheus_client import generate_latest
 
 from producer.submit import submit
 from renderfarm.progress import Progress
-from renderfarm.queue import TASK_NAME, job_message
+from renderfarm.queue import TASK_NAME, job_message, priority_list, queue_name
 from tests.conftest import STEPS
 from tests.farm import WorkerProcess, farm_app, jobs, wait_done, wait_for
 from tests.redis_server import RedisServer, free_port
@@ -67,6 +69,7 @@ def test_a_worker_reports_what_it_did(redis_server: RedisServer, tiny_sd: Path, 
     assert samples['renderfarm_device_seconds_total{campaign="metrics"}'] > 0
     assert samples['renderfarm_images_failed_total{reason="invalid"}'] == 1
     assert samples["renderfarm_flops_per_second"] > 0
+    assert samples[f'renderfarm_queue_depth{{queue="{queue_name(str(model), "float32")}"}}'] == 0  # all taken
     assert "renderfarm_peak_fraction" in samples and samples["renderfarm_peak_fraction"] == 0  # CPU: no peak
 
 
@@ -90,6 +93,21 @@ def test_peak_flops_and_the_fraction_of_peak() -> None:
     assert metrics.peak_fraction._value.get() == pytest.approx(0.5)
     metrics.admitted([None, "soon", float("nan"), True, 1e20])  # anything may arrive: none counted
     assert metrics.queue_wait._sum.get() == 0
+
+
+def test_the_queue_depth_counts_every_priority_list(broker: str) -> None:
+    """What KEDA and celery-exporter miss when they read one list: jobs of every priority."""
+    client = redis.Redis.from_url(broker)
+    queue = queue_name("org/m", "float32")
+    for step, count in ((0, 2), (3, 4), (9, 1)):
+        client.rpush(priority_list(queue, step), *[b"job"] * count)
+    client.rpush(priority_list(queue_name("org/other", "float32"), 0), b"job")  # another queue: not counted
+    metrics = WorkerMetrics("cpu", 8)
+    metrics.watch_queue(client, queue)
+    text = generate_latest(metrics.registry).decode()
+    assert f'renderfarm_queue_depth{{queue="{queue}"}} 7.0' in text
+    client.lpop(priority_list(queue, 3))
+    assert f'renderfarm_queue_depth{{queue="{queue}"}} 6.0' in generate_latest(metrics.registry).decode()
 
 
 def test_the_dashboard_shows_only_metrics_workers_export() -> None:

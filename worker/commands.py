@@ -94,6 +94,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
         metrics = WorkerMetrics(engine.devices[0].device_kind, len(engine.devices))
         metrics.compiled(engine.compiles, engine.compile_seconds)  # --precompile's
+        metrics.watch_queue(Progress.from_url(settings.broker_url).r, queue)
         try:
             metrics.serve(args.metrics_port)
         except OSError as err:

@@ -13,7 +13,10 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from renderfarm.queue import priority_lists
 
 # Peak dense bfloat16 FLOP/s per chip (public figures); a device kind not here (CPU) exports
 # no fraction of peak.
@@ -60,7 +63,22 @@ class WorkerMetrics:
         self.flops = Gauge("renderfarm_flops_per_second", "FLOP/s of the last batch, all devices", registry=r)
         self.peak_fraction = Gauge("renderfarm_peak_fraction", "Achieved over peak FLOP/s (known devices)",
                                    registry=r)
+        self.queue_depth = Gauge("renderfarm_queue_depth", "Jobs waiting in the queue, over all its priority lists",
+                                 ["queue"], registry=r)
         self._compiles_seen = (0, 0.0)
+
+    def watch_queue(self, client: redis.Redis, queue: str) -> None:
+        """Export `queue`'s depth, read when scraped: kombu keeps one Redis list per priority
+        step, and an autoscaler that reads the queue's own list alone misses the others."""
+        lists = priority_lists(queue)
+
+        def depth() -> float:
+            pipe = client.pipeline(transaction=False)
+            for name in lists:
+                pipe.llen(name)
+            return float(sum(pipe.execute()))
+
+        self.queue_depth.labels(queue).set_function(depth)
 
     def serve(self, port: int) -> None:
         """Serve /metrics on `port` (OSError if it is taken: each worker needs its own)."""
