@@ -1,17 +1,29 @@
-"""Single-file checkpoints (the original CompVis / SGM layout) of the tiny SD 1.x and SDXL pipelines.
+"""Single-file checkpoints (the original CompVis / SGM layout civitai serves) of the tiny SD 1.x, SD 2.x
+and SDXL pipelines.
 
 `write(data)` rebuilds `data/single_file/` from the folders pipelines.py wrote (never rebuilt here):
 
-    sd1.safetensors    data/oracle/sd1/model in one file, with EMA copies of its UNet (`model_ema.*`,
-                       other values: a loader that took them would render other pixels) and the
-                       sampler buffers real files carry (betas, alphas_cumprod, ...)
-    sd2.safetensors    data/oracle/sd2/model in one file (its text encoder in OpenCLIP's layout)
-    sdxl.safetensors   data/oracle/sdxl/model in one file
+    sd1.safetensors    data/oracle/sd1/model in one file (CLIP ViT-L under cond_stage_model.transformer.),
+                       with what real SD 1.x files carry beside the weights: EMA copies of the UNet
+                       (`model_ema.<name without dots>`, other values: a loader that took them would
+                       render other pixels), `model_ema.decay` / `num_updates`, the training sampler's
+                       buffers (betas, alphas_cumprod) and CLIP's position_ids buffer
+    sd2.safetensors    data/oracle/sd2/model in one file, its text encoder in OpenCLIP's layout
+                       (cond_stage_model.model.: fused q/k/v), with one OpenCLIP layer more than the
+                       folder's text encoder (as SD 2.x files hold ViT-H's 24 layers for diffusers' 23),
+                       the text projection and logit_scale SD 2.x does not use
+    sdxl.safetensors   data/oracle/sdxl/model in one file: CLIP ViT-L under
+                       conditioner.embedders.0.transformer. (with position_ids), OpenCLIP bigG under
+                       conditioner.embedders.1.model. (its text_projection the transpose of the folder's
+                       text_projection.weight, and logit_scale)
+    README.md          this list
 
 Each file is written by this module's own inverse of diffusers' single-file mapping, then checked:
-`from_single_file(file, config=folder)` must load back tensors identical to the folder's, name for
-name. So the farm's reading of these files is held to diffusers' own, and the folder's reference
-images are the files' too.
+`from_single_file(file, config=folder)` must load every component back to exactly the tensors of the
+folder's own safetensors, name for name (`torch.equal`); for sd1, the UNet loaded with
+`extract_ema=True` must differ from the folder's in every tensor (so the EMA copies are where
+diffusers looks for them, and the regular weights are the ones taken by default). So the farm's
+reading of these files is held to diffusers' own, and the folders' reference images are the files' too.
 """
 
 from __future__ import annotations
@@ -24,11 +36,15 @@ import warnings
 
 import numpy as np
 import torch
-from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+from diffusers import (
+    StableDiffusionPipeline,
+    StableDiffusionXLPipeline,
+    UNet2DConditionModel,
+)
 from safetensors.numpy import save_file
 from safetensors.torch import load_file
 
-from tests.oracle.pipelines import _check_same_weights, _state, quiet_and_deterministic
+from tests.oracle.pipelines import quiet_and_deterministic
 
 _RESNET = {"norm1": "in_layers.0", "conv1": "in_layers.2", "norm2": "out_layers.0", "conv2": "out_layers.3",
            "time_emb_proj": "emb_layers.1", "conv_shortcut": "skip_connection"}
@@ -38,6 +54,7 @@ _UNET_TOP = {"time_embedding.linear_1": "time_embed.0", "time_embedding.linear_2
 _VAE_ATTENTION = {"group_norm": "norm", "to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "proj_out"}
 _OPENCLIP = {"layer_norm1": "ln_1", "layer_norm2": "ln_2", "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj",
              "self_attn.out_proj": "attn.out_proj"}
+FAMILIES = {"sd1": StableDiffusionPipeline, "sd2": StableDiffusionPipeline, "sdxl": StableDiffusionXLPipeline}
 
 
 def _resnet(rest: str) -> str:
@@ -110,13 +127,31 @@ def openclip_to_ldm(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-def _folder_tensors(folder: pathlib.Path, component: str) -> dict[str, np.ndarray]:
+def _weights_file(folder: pathlib.Path, component: str) -> pathlib.Path:
+    """The component's own float32 weights (not a variant's)."""
     files = sorted((folder / component).glob("*model.safetensors"))
-    return {k: v.numpy() for k, v in load_file(str(files[0])).items()}
+    if len(files) != 1:
+        raise AssertionError(f"{folder / component}: expected one *model.safetensors, found {files}")
+    return files[0]
+
+
+def _folder_tensors(folder: pathlib.Path, component: str) -> dict[str, np.ndarray]:
+    return {k: v.numpy() for k, v in load_file(str(_weights_file(folder, component))).items()}
+
+
+def _components(folder: pathlib.Path) -> list[str]:
+    return sorted(p.parent.name for p in folder.glob("*/config.json") if p.parent.name != "scheduler")
+
+
+def _position_ids(folder: pathlib.Path, component: str) -> np.ndarray:
+    config = json.loads((folder / component / "config.json").read_text())
+    return np.arange(config["max_position_embeddings"], dtype=np.int64)[None]
 
 
 def single_file(folder: pathlib.Path, family: str) -> dict[str, np.ndarray]:
-    """The folder's weights as one original-layout state dict."""
+    """The folder's weights as one original-layout state dict, with what real files of the family
+    carry beside them (see the module docstring)."""
+    rng = np.random.default_rng(11)
     unet_config = json.loads((folder / "unet" / "config.json").read_text())
     vae_config = json.loads((folder / "vae" / "config.json").read_text())
     out = {f"model.diffusion_model.{unet_to_ldm(k, unet_config)}": v
@@ -124,14 +159,19 @@ def single_file(folder: pathlib.Path, family: str) -> dict[str, np.ndarray]:
     for name, value in _folder_tensors(folder, "vae").items():
         key, value = vae_to_ldm(name, value, vae_config)
         out[f"first_stage_model.{key}"] = value
-    if family == "sd2":  # OpenCLIP ViT-H; real files also hold its projection, which SD 2.x does not use
+    if family == "sd2":
         tower = openclip_to_ldm(_folder_tensors(folder, "text_encoder"))
-        out |= {f"cond_stage_model.model.{k}": v for k, v in tower.items()}
+        layers = json.loads((folder / "text_encoder" / "config.json").read_text())["num_hidden_layers"]
+        last = f"transformer.resblocks.{layers - 1}."
+        extra = {name.replace(last, f"transformer.resblocks.{layers}."): rng.normal(0, 0.02, value.shape).astype(value.dtype)
+                 for name, value in tower.items() if name.startswith(last)}
         hidden = tower["token_embedding.weight"].shape[1]
-        out["cond_stage_model.model.text_projection"] = np.eye(hidden, dtype=np.float32)
-        return out
+        tower |= extra | {"text_projection": rng.normal(0, 0.02, (hidden, hidden)).astype(np.float32),
+                          "logit_scale": np.array(4.6052, np.float32)}
+        return out | {f"cond_stage_model.model.{k}": v for k, v in tower.items()}
     clip = "cond_stage_model.transformer." if family == "sd1" else "conditioner.embedders.0.transformer."
     out |= {clip + k: v for k, v in _folder_tensors(folder, "text_encoder").items()}
+    out[f"{clip}text_model.embeddings.position_ids"] = _position_ids(folder, "text_encoder")
     if family == "sdxl":
         tower = openclip_to_ldm(_folder_tensors(folder, "text_encoder_2"))
         out |= {f"conditioner.embedders.1.model.{k}": v for k, v in tower.items()}
@@ -156,24 +196,62 @@ def _with_ema_and_buffers(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarra
     return out
 
 
+def _check_loads_the_folder(module: torch.nn.Module, folder: pathlib.Path, component: str, what: str,
+                            equal: bool = True) -> None:
+    """The module holds exactly the folder's tensors of that component, name for name (or, with
+    equal=False, the same names and not one tensor equal)."""
+    # transformers >= 5.6 holds CLIPTextModel's weights without `text_model.`, and saves them with it
+    got, want = ({k.removeprefix("text_model."): v for k, v in tensors.items()}
+                 for tensors in (module.state_dict(), load_file(str(_weights_file(folder, component)))))
+    if got.keys() != want.keys():
+        raise AssertionError(f"{what} {component}: names differ from the folder's: {sorted(got.keys() ^ want.keys())[:5]}")
+    same = [key for key in want if torch.equal(got[key], want[key])]
+    if equal and len(same) != len(want):
+        raise AssertionError(f"{what} {component}: {len(want) - len(same)} tensors differ from the folder's, "
+                             f"e.g. {sorted(set(want) - set(same))[:3]}")
+    if not equal and same:
+        raise AssertionError(f"{what} {component}: {len(same)} tensors equal the folder's, e.g. {same[:3]}")
+
+
+def _readme(counts: dict[str, int]) -> str:
+    doc = __doc__.split("\n\n")[2]  # the list of files
+    return ("# Single-file checkpoints of the tiny oracle pipelines\n\n"
+            "Written by `tests/oracle/single_file.py` (`python -m tests.oracle single_file` in build/oracle-venv); "
+            "do not edit.\n\n```\n" + "\n".join(line.removeprefix("    ") for line in doc.splitlines()) + "\n```\n\n"
+            + "".join(f"- `{family}.safetensors`: {n} tensors\n" for family, n in counts.items())
+            + "\nEach file was checked when written: diffusers' `from_single_file(file, config=folder)` loads every "
+              "component to exactly the folder's tensors (and sd1's UNet with `extract_ema=True` to other values).\n")
+
+
 def write(data: pathlib.Path) -> None:
     """Rebuild data/single_file (see the module docstring)."""
     quiet_and_deterministic()
     root = data / "single_file"
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
-    for family, cls in (("sd1", StableDiffusionPipeline), ("sd2", StableDiffusionPipeline),
-                        ("sdxl", StableDiffusionXLPipeline)):
+    counts = {}
+    for family, cls in FAMILIES.items():
         folder = data / "oracle" / family / "model"
         tensors = single_file(folder, family)
         if family == "sd1":
             tensors = _with_ema_and_buffers(tensors)
         path = root / f"{family}.safetensors"
         save_file(tensors, str(path))
+        counts[family] = len(tensors)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            expected = _state(cls.from_pretrained(folder, torch_dtype=torch.float32))
-            loaded = cls.from_single_file(str(path), config=str(folder), torch_dtype=torch.float32)
-        _check_same_weights(loaded, expected, f"{family} single file")
+            pipe = cls.from_single_file(str(path), config=str(folder), torch_dtype=torch.float32)
+        modules = sorted(name for name, c in pipe.components.items() if isinstance(c, torch.nn.Module))
+        if modules != _components(folder):
+            raise AssertionError(f"{family} single file: components {modules}, the folder has {_components(folder)}")
+        for component in modules:
+            _check_loads_the_folder(getattr(pipe, component), folder, component, f"{family} single file")
+        if family == "sd1":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                ema = UNet2DConditionModel.from_single_file(str(path), config=str(folder), subfolder="unet",
+                                                            extract_ema=True, torch_dtype=torch.float32)
+            _check_loads_the_folder(ema, folder, "unet", "sd1 single file's EMA", equal=False)
         print(f"oracle: single_file {family} ({len(tensors)} tensors; from_single_file loads the folder's weights)",
               flush=True)
+    (root / "README.md").write_text(_readme(counts))
