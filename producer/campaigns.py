@@ -27,6 +27,7 @@ import yaml
 from producer.ingest import SourceReader, SourceRow, row_unit
 from producer.submit import Submission, enqueue_jobs
 from producer.templates import MODES, check_templates, expand
+from producer.window import Feeder, check_window
 from renderfarm.jobs import (
     SEED_LIMIT,
     JobError,
@@ -91,6 +92,7 @@ class CampaignSpec:
     loras: tuple[Lora, ...] | None = JobSpec.loras  # "REF[:SCALE]" each in YAML
     priority: int | None = JobSpec.priority
     schedule: str | None = None  # cron expression, for `renderfarm schedule`
+    window: int | None = None  # at most this many jobs queued or running (producer/window.py)
 
     def __post_init__(self) -> None:
         try:
@@ -107,6 +109,8 @@ class CampaignSpec:
         self._check_source()
         if self.schedule is not None:
             _check_cron(self.schedule)
+        if self.window is not None:
+            check_window(self.window)
 
     def _check_source(self) -> None:
         if (self.prompts is None) == (not self.templates):
@@ -345,6 +349,7 @@ class CampaignRun:
     already_done: int  # in storage before this run
     submission: Submission | None  # None: nothing to do
     seconds: float
+    queued: int = 0  # a windowed run: jobs an earlier run queued, left to the workers
 
     @property
     def submitted(self) -> int:
@@ -358,7 +363,9 @@ class CampaignRun:
             lines.append(f"  ... and {self.bad_rows - len(self.first_bad)} more bad rows "
                          "(`renderfarm campaign validate` lists the first ones; fix them and run again)")
         if self.submission is None:
-            lines.append(f"nothing to do: all {self.jobs} jobs already in storage")
+            lines.append(f"nothing to do: all {self.jobs} jobs already in storage" if not self.queued else
+                         f"nothing to submit: {self.already_done} jobs in storage, {self.queued} queued by "
+                         "an earlier run")
             return "\n".join(lines)
         if self.already_done:
             lines.append(f"{self.already_done} jobs already in storage, not submitted again")
@@ -366,21 +373,44 @@ class CampaignRun:
         return "\n".join(lines)
 
 
-def run_campaign(spec: CampaignSpec, *, settings: Settings | None = None, strict: bool = False) -> CampaignRun:
-    """Submit the campaign's jobs that storage does not hold yet. Raises StrictError (with
+def run_campaign(spec: CampaignSpec, *, settings: Settings | None = None, strict: bool = False,
+                 progress: bool = False) -> CampaignRun:
+    """Submit the campaign's jobs that storage does not hold yet (with a window, those not
+    queued either, fed as the window allows: producer/window.py). Raises StrictError (with
     `strict`) or JobError (no good row, a seed past 2**32) before enqueuing anything; lifts
     a cancel of the campaign when it submits (see Progress.resume)."""
     started = time.perf_counter()
+    if spec.window is not None:
+        return _run_windowed(spec, settings, strict, progress, started)
     stored = stored_job_ids(spec)
-    scan = scan_campaign(spec, stored)
-    if strict and scan.bad_rows:
-        raise StrictError(spec, scan)
-    if not scan.jobs:
-        first = f" (first bad: {scan.first_bad[0]})" if scan.first_bad else ""
-        raise JobError("prompts", spec.source, f"gives no valid job: {scan.bad_rows} bad rows of {scan.rows}{first}")
+    scan = _checked_scan(spec, stored, strict)
     submission = None
     if scan.stored < scan.jobs:
         todo = (job for job in campaign_jobs(spec) if job.job_id not in stored) if stored else campaign_jobs(spec)
         submission = enqueue_jobs(todo, settings, started=started)
     return CampaignRun(spec.name, scan.rows, scan.bad_rows, tuple(scan.first_bad), scan.jobs, scan.stored,
                        submission, time.perf_counter() - started)
+
+
+def _run_windowed(spec: CampaignSpec, settings: Settings | None, strict: bool, progress: bool,
+                  started: float) -> CampaignRun:
+    assert spec.window is not None
+    with Feeder(spec.name, spec.window, settings) as feeder:  # before the listing: see Feeder
+        stored = stored_job_ids(spec)
+        scan = _checked_scan(spec, stored, strict)
+        skip, queued = stored | feeder.queued, len(feeder.queued - stored)
+        todo = scan.jobs - scan.stored - queued
+        submission = feeder.feed((job for job in campaign_jobs(spec) if job.job_id not in skip), todo, queued,
+                                 started, progress) if todo else None
+    return CampaignRun(spec.name, scan.rows, scan.bad_rows, tuple(scan.first_bad), scan.jobs, scan.stored,
+                       submission, time.perf_counter() - started, queued)
+
+
+def _checked_scan(spec: CampaignSpec, stored: set[str], strict: bool) -> Scan:
+    scan = scan_campaign(spec, stored)
+    if strict and scan.bad_rows:
+        raise StrictError(spec, scan)
+    if not scan.jobs:
+        first = f" (first bad: {scan.first_bad[0]})" if scan.first_bad else ""
+        raise JobError("prompts", spec.source, f"gives no valid job: {scan.bad_rows} bad rows of {scan.rows}{first}")
+    return scan

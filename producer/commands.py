@@ -4,11 +4,13 @@ gallery). No JAX."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
 import math
 import os
+import signal
 import sys
 from collections.abc import Callable
 
@@ -58,7 +60,12 @@ def _follow(args: argparse.Namespace, submission: Submission, campaign: str) -> 
     if not (args.wait or args.timeout is not None):
         return 0
     try:
-        counts = wait_for(submission, args.timeout)
+        if submission.window is None:
+            counts = wait_for(submission, args.timeout)
+        else:  # a windowed run follows its campaign: it keeps no per-submission set
+            from producer.window import follow
+
+            counts = follow(campaign, submission.broker_url, args.timeout)
     except WaitTimeout as err:
         print(f"renderfarm: {err}", file=sys.stderr)
         for queue in farm_queues(args.broker):
@@ -110,12 +117,19 @@ def cmd_campaign_run(args: argparse.Namespace) -> int:
     from producer.campaigns import StrictError, load_spec, run_campaign
 
     spec = load_spec(args.spec)
+    if args.window is not None:
+        spec = dataclasses.replace(spec, window=args.window)  # validated by the spec's own rule
+    # A feeder told to stop (a pod's SIGTERM) unwinds: it frees its campaign's lock at once.
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
-        run = run_campaign(spec, settings=Settings.from_env(broker_url=args.broker), strict=args.strict)
+        run = run_campaign(spec, settings=Settings.from_env(broker_url=args.broker), strict=args.strict,
+                           progress=True)
     except StrictError as err:
         print(f"renderfarm: error: {err}", file=sys.stderr)
         print("\n".join(f"  bad {row}" for row in err.scan.first_bad), file=sys.stderr)
         return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(run.summary())
     return 0 if run.submission is None else _follow(args, run.submission, spec.name)
 
@@ -244,6 +258,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     run = actions.add_parser("run", help="submit the jobs whose results are not in storage yet")
     run.add_argument("spec", metavar="SPEC", help="campaign spec (YAML)")
     run.add_argument("--strict", action="store_true", help="enqueue nothing if any row is bad")
+    run.add_argument("--window", type=int, metavar="N",
+                     help="keep at most N of the campaign's jobs queued or running, refilling as they finish "
+                          "(bounded Redis memory; default: the spec's `window`, else submit all at once)")
     run.add_argument("--wait", action="store_true", help="show progress until every job submitted is finished")
     run.add_argument("--timeout", type=float, metavar="S", help="give up waiting after S seconds, exit 1 (implies --wait)")
     broker_flag(run)

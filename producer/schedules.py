@@ -6,6 +6,8 @@ carries the whole campaign spec (`CampaignSpec.to_dict()`, absolute paths) and g
 control queue `rf.control`. `renderfarm beat` is one process with two parts: the beat
 (a thread; redbeat's Redis lock lets one beat of many schedule) and a Celery worker (solo
 pool, no JAX) that consumes `rf.control` and submits each fire's jobs with `run_campaign`.
+A spec with a `window` makes each fire a windowed run (producer/window.py), which holds that
+worker until the instance is fed: run as many beats as windowed instances may overlap.
 Schedules are read from Redis on every tick, so `schedule add/remove` reach a running beat
 within BEAT_INTERVAL seconds, without a restart.
 
@@ -131,6 +133,7 @@ def run_instance(spec: dict[str, Any], instance: str, settings: Settings) -> Non
     a second message for the same instance a no-op while the first may still be running; a
     message redelivered after a crash comes later than that and resumes the instance."""
     from producer.campaigns import parse_spec, run_campaign
+    from producer.window import FeederBusy
 
     parsed = parse_spec(spec)  # its paths are absolute
     client = redis.Redis.from_url(settings.broker_url)
@@ -142,6 +145,9 @@ def run_instance(spec: dict[str, Any], instance: str, settings: Settings) -> Non
     log.info("scheduled campaign %s: instance %s, base seed %d", parsed.name, instance, seed)
     try:
         run = run_campaign(dataclasses.replace(parsed, name=instance, base_seed=seed), settings=settings)
+    except FeederBusy as err:  # a windowed instance still fed by the run this message came from first
+        log.warning("%s", err)
+        return
     except BaseException:
         client.delete(claim)  # it did not run: a retry or a redelivery may run it
         raise

@@ -139,6 +139,9 @@ def format_status(report: dict[str, Any]) -> str:
              + (" (cancel requested)" if report["cancel_requested"] else ""),
              *(f"  {name:<10} {report[name]:>8}"
                for name in ("submitted", "queued", "running", "done", "failed", "cancelled"))]
+    if report["window"] is not None:
+        lines.append(f"  {'window':<10} {report['window']:>8} jobs queued or running at most, "
+                     f"{report['jobs']} jobs in all")
     lines += _finished_lines(report) if report["finished"] else _running_lines(report)
     lines += _cost_lines(report)
     failures = list(report["failures"].items())

@@ -64,6 +64,9 @@ class Submission:
     queues: tuple[str, ...]
     resumed: tuple[str, ...]  # cancelled campaigns this submission lifted the cancel of
     seconds: float
+    window: int | None = None  # fed through a window (producer/window.py)
+    already_queued: int = 0  # a windowed run's jobs that an earlier run had queued
+    stopped: str | None = None  # why a windowed run stopped before feeding every job
 
     @property
     def jobs_per_second(self) -> float:
@@ -73,12 +76,18 @@ class Submission:
         lines = [f"enqueued {self.enqueued} jobs for campaign {', '.join(self.campaigns) or '-'} "
                  f"on queue {', '.join(self.queues) or '-'} "
                  f"in {self.seconds:.2f} s ({self.jobs_per_second:,.0f} jobs/s)"]
+        if self.window is not None:
+            lines[0] += f", through a window of {self.window} jobs"
         if self.already_done:
             lines.append(f"skipped {self.already_done} jobs already done in this campaign")
+        if self.already_queued:
+            lines.append(f"skipped {self.already_queued} jobs already queued by an earlier run")
         if self.duplicates:
             lines.append(f"skipped {self.duplicates} duplicate jobs (the same job id again in the input)")
         lines += [f"campaign {c} was cancelled: this submission lifted the cancel, so its queued jobs "
                   "render again" for c in self.resumed]
+        if self.stopped:
+            lines.append(f"stopped feeding: {self.stopped}")
         return "\n".join(lines)
 
 
@@ -141,13 +150,14 @@ class _TaskMessages:
 
 class _Enqueuer:
     """Sends chunks of validated jobs and counts what it did; remembers the (few) campaigns
-    and queues it touched, never the jobs."""
+    and queues it touched, never the jobs. `counted`: the jobs are a windowed campaign's
+    (renderfarm.progress), booked in its open set rather than per submission."""
 
-    def __init__(self, app: Celery, producer: Producer, progress: Progress) -> None:
-        self.app, self.producer, self.progress = app, producer, progress
+    def __init__(self, app: Celery, producer: Producer, progress: Progress, counted: bool = False) -> None:
+        self.app, self.producer, self.progress, self.counted = app, producer, progress, counted
         self.messages = _TaskMessages(app, producer)
         self.id = secrets.token_hex(8)
-        self.enqueued = self.already_done = self.duplicates = 0
+        self.enqueued = self.already_done = self.duplicates = self.already_queued = 0
         self.campaigns: dict[str, None] = {}  # ordered sets
         self.queues: dict[str, None] = {}
         self.resumed: list[str] = []
@@ -165,6 +175,9 @@ class _Enqueuer:
     def _book(self, campaign: str, queue: str, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Drop jobs already done or already in this submission; record the rest as submitted."""
         if campaign not in self.campaigns:
+            if not self.counted and self.progress.counted(campaign):
+                raise JobError("campaign", campaign, "is fed through a window (`renderfarm campaign run "
+                               "--window N`): run its spec again to resume it, or submit to another campaign")
             self.campaigns[campaign] = None
             if self.progress.is_cancelled(campaign):
                 self.progress.resume(campaign)
@@ -172,6 +185,9 @@ class _Enqueuer:
         if queue not in self.queues:
             self.queues[queue] = None
             self.producer.maybe_declare(self.app.amqp.queues[queue])  # the binding kombu writes
+        if self.counted:
+            self.progress.admit(campaign, [m["task_id"] for m in messages], queue)
+            return messages
         done = self.progress.done_among(campaign, [m["task_id"] for m in messages])
         todo = [m for m, is_done in zip(messages, done) if not is_done]
         self.already_done += len(messages) - len(todo)
@@ -209,9 +225,11 @@ class _Enqueuer:
             pipe.execute()
         self.enqueued += len(messages)
 
-    def result(self, broker_url: str, seconds: float) -> Submission:
+    def result(self, broker_url: str, seconds: float, window: int | None = None,
+               stopped: str | None = None) -> Submission:
         return Submission(self.id, broker_url, self.enqueued, self.already_done, self.duplicates,
-                          tuple(self.campaigns), tuple(self.queues), tuple(self.resumed), seconds)
+                          tuple(self.campaigns), tuple(self.queues), tuple(self.resumed), seconds,
+                          window, self.already_queued, stopped)
 
 
 def submit_jobs(jobs: Callable[[], Iterable[JobSpec]], settings: Settings | None = None,

@@ -1,6 +1,11 @@
 """Campaign progress in Redis: what was submitted, what runs, what is done, failed or
 cancelled. Sets of job ids, so a redelivered job is never counted twice.
 
+A campaign fed through a window (`campaign run --window N`, producer/window.py) is counted
+instead: it keeps the ids of its open jobs (queued or running, at most about N) and counts
+the rest, so its Redis memory is set by the window, not by its size. A job is newly done
+when it leaves the open set (lua/finish.lua). A campaign is one kind or the other for good.
+
 Keys (CAMPAIGN is validated by the job contract, so it cannot reach outside its prefix):
   rf:c:CAMPAIGN:submitted   set of job ids
   rf:c:CAMPAIGN:running     set of job ids a worker has started
@@ -13,6 +18,11 @@ Keys (CAMPAIGN is validated by the job contract, so it cannot reach outside its 
   rf:c:CAMPAIGN:attempts    hash job id -> attempts started (the same spec in two campaigns is
                             two jobs: each has its own attempts)
   rf:c:CAMPAIGN:submission:ID  set of the job ids one submission sent (expires after 7 days)
+Counted (windowed) campaigns have no submitted, done or submission sets; instead:
+  rf:c:CAMPAIGN:open        set of job ids queued or running
+  rf:c:CAMPAIGN:counts      hash: window (marks the campaign counted), jobs (its total),
+                            submitted, done, fed (1 once a run has submitted every job)
+  rf:c:CAMPAIGN:feeder      the feeding run's lock (host:pid), expiring unless renewed
   rf:queues                 set of queue names producers have used
 """
 
@@ -61,6 +71,22 @@ class Progress:
         pipe.hdel(key(campaign, "attempts"), *job_ids)
         pipe.execute()
 
+    def counted(self, campaign: str) -> bool:
+        """Whether the campaign is fed through a window (counts, not sets of ids)."""
+        return bool(self.r.hexists(key(campaign, "counts"), "window"))
+
+    def admit(self, campaign: str, job_ids: list[str], queue: str) -> None:
+        """A counted campaign's jobs, about to be sent, into its open set (the feeder sends
+        only jobs that are neither stored nor open: producer/window.py)."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hdel(key(campaign, "failed"), *job_ids)  # submitted again: a fresh start
+        pipe.hdel(key(campaign, "attempts"), *job_ids)
+        pipe.sadd(key(campaign, "open"), *job_ids)
+        pipe.hincrby(key(campaign, "counts"), "submitted", len(job_ids))
+        pipe.hsetnx(key(campaign, "times"), "first_submitted", time.time())
+        pipe.sadd(QUEUES, queue)
+        pipe.execute()
+
     def done_among(self, campaign: str, job_ids: list[str]) -> list[bool]:
         """Which of these jobs are already stored (a re-submission skips them)."""
         if not job_ids:
@@ -95,16 +121,28 @@ class Progress:
         self.r.hincrby(key(campaign, "attempts"), job_id, -1)
 
     def started(self, jobs: Iterable[tuple[str, str]]) -> list[int]:
-        """Mark (campaign, job id) pairs running; returns each job's attempt number."""
+        """Mark (campaign, job id) pairs running; returns each job's attempt number. A counted
+        campaign forgets a job's attempts when it is done, so a job of one that is no longer
+        open (delivered again after it was finished) is at least its second attempt."""
         jobs = list(jobs)
         if not jobs:
             return []
+        by_campaign = _by_campaign(jobs)
         pipe = self.r.pipeline(transaction=False)
         for campaign, job_id in jobs:
             pipe.hincrby(key(campaign, "attempts"), job_id, 1)
-        for campaign, ids in _by_campaign(jobs).items():
+        for campaign, ids in by_campaign.items():
             pipe.sadd(key(campaign, "running"), *ids)
-        return pipe.execute()[:len(jobs)]
+            pipe.hexists(key(campaign, "counts"), "window")
+            pipe.smismember(key(campaign, "open"), ids)
+        replies = pipe.execute()
+        attempts, rest = replies[:len(jobs)], iter(replies[len(jobs):])
+        closed = set()
+        for campaign, ids in by_campaign.items():
+            _, counted, is_open = next(rest), next(rest), next(rest)
+            if counted:
+                closed.update((campaign, job_id) for job_id, flag in zip(ids, is_open) if not flag)
+        return [max(n, 2) if job in closed else n for job, n in zip(jobs, attempts)]
 
     def finished(self, jobs: Iterable[tuple[str, str]], device_seconds: Iterable[float] | None = None) -> None:
         """Mark (campaign, job id) pairs done, in one round trip, a few commands a campaign;
@@ -116,7 +154,8 @@ class Progress:
         pipe = self.r.pipeline(transaction=False)
         for campaign, ids in _by_campaign(jobs).items():
             pipe.srem(key(campaign, "running"), *ids)
-            self._finish(keys=[key(campaign, "done"), key(campaign, "times")],
+            self._finish(keys=[key(campaign, "done"), key(campaign, "times"), key(campaign, "open"),
+                               key(campaign, "counts"), key(campaign, "attempts")],
                          args=[x for job_id in ids for x in (job_id, repr(float(seconds[(campaign, job_id)])))],
                          client=pipe)
             pipe.hdel(key(campaign, "failed"), *ids)
@@ -127,6 +166,7 @@ class Progress:
     def failed(self, campaign: str, job_id: str, reason: str) -> None:
         pipe = self.r.pipeline(transaction=False)
         pipe.srem(key(campaign, "running"), job_id)
+        pipe.srem(key(campaign, "open"), job_id)
         pipe.hset(key(campaign, "failed"), job_id, reason)
         pipe.execute()
 
@@ -137,6 +177,7 @@ class Progress:
     def skipped(self, campaign: str, job_id: str) -> None:
         pipe = self.r.pipeline(transaction=False)
         pipe.srem(key(campaign, "running"), job_id)
+        pipe.srem(key(campaign, "open"), job_id)
         pipe.sadd(key(campaign, "cancelled"), job_id)
         pipe.execute()
 
@@ -144,18 +185,28 @@ class Progress:
 
     def status(self, campaign: str) -> dict[str, Any]:
         pipe = self.r.pipeline(transaction=False)
-        for what in ("submitted", "running", "done", "cancelled"):
+        for what in ("submitted", "running", "done", "cancelled", "open"):
             pipe.scard(key(campaign, what))
         pipe.hgetall(key(campaign, "failed"))
         pipe.hgetall(key(campaign, "times"))
         pipe.exists(key(campaign, "cancel"))
-        submitted, running, done, cancelled, failed, times, cancel = pipe.execute()
+        pipe.hgetall(key(campaign, "counts"))
+        submitted, running, done, cancelled, open_jobs, failed, times, cancel, counts = pipe.execute()
         failed = {k.decode(): v.decode() for k, v in failed.items()}
-        queued = max(0, submitted - running - done - cancelled - len(failed))
+        counts = {k.decode(): int(v) for k, v in counts.items()}
+        window = counts.get("window")
+        if window is None:
+            queued = max(0, submitted - running - done - cancelled - len(failed))
+        else:
+            submitted, done = counts.get("submitted", 0), counts.get("done", 0)
+            queued = max(0, open_jobs - running)
         submitted_at, first, last, device_seconds = (
             float(times.get(k, 0)) for k in (b"first_submitted", b"first_done", b"last_done", b"device_seconds"))
         rate = (done - 1) / (last - first) if done > 1 and last > first else None
-        finished = bool(submitted) and queued + running == 0
+        left = queued + running if window is None else \
+            max(queued + running, counts.get("jobs", 0) - done - len(failed) - cancelled)
+        # A counted campaign is finished once a run has fed it all, not when its window runs dry.
+        finished = bool(submitted) and queued + running == 0 and (window is None or bool(counts.get("fed")))
         return {
             "campaign": campaign,
             "submitted": submitted,
@@ -167,13 +218,17 @@ class Progress:
             "cancelled": cancelled,
             "cancel_requested": bool(cancel),
             "images_per_second": rate,
-            "eta_seconds": (queued + running) / rate if rate else None,
+            "eta_seconds": left / rate if rate else None,
             "finished": finished,
             # first submission to last image: a finished campaign's wall time
             "elapsed_seconds": last - submitted_at if done and submitted_at else None,
             # the devices' time the done images took (each its share of its batch)
             "device_seconds": device_seconds,
             "images_per_device_hour": done * 3600 / device_seconds if device_seconds else None,
+            # fed through a window: at most `window` jobs queued or running; `jobs`: the done
+            # count when the campaign is finished (its done jobs and those storage lacks)
+            "window": window,
+            "jobs": counts.get("jobs"),
         }
 
 

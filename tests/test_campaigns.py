@@ -8,6 +8,10 @@ import dataclasses
 import json
 import re
 import signal
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +19,7 @@ import pytest
 
 from producer.campaigns import StrictError, campaign_jobs, load_spec, run_campaign
 from producer.status import cancel_campaign
+from producer.window import FeederBusy
 from renderfarm.progress import Progress
 from renderfarm.queue import queue_name
 from renderfarm.settings import Settings
@@ -153,3 +158,167 @@ def test_a_cancelled_campaign_run_again_finishes_every_job_once(
     assert len(ids) == len(set(ids)) == 16
     assert set(ids) == {j.job_id for j in campaign_jobs(spec)}
     assert run_campaign(spec, settings=settings).submission is None
+
+
+# ------------------------------------------------------------------------------ through a window
+
+def campaign_keys(server: RedisServer, campaign: str) -> set[str]:
+    return {k.decode().removeprefix(f"rf:c:{campaign}:") for k in server.client().scan_iter(f"rf:c:{campaign}:*")}
+
+
+class Sampler(threading.Thread):
+    """The most jobs a campaign had open (queued or running) and on its queue, sampled."""
+
+    def __init__(self, server: RedisServer, campaign: str, model: str) -> None:
+        super().__init__(daemon=True)
+        self.server, self.campaign, self.model = server, campaign, model
+        self.most_open = self.most_queued = 0
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        client = self.server.client()
+        while not self.halt.wait(0.01):
+            self.most_open = max(self.most_open, client.scard(f"rf:c:{self.campaign}:open"))
+            self.most_queued = max(self.most_queued, queued(self.server, self.model))
+
+    def __enter__(self) -> Sampler:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.halt.set()
+        self.join()
+
+
+def test_a_windowed_campaign_keeps_at_most_its_window_and_no_key_per_job(
+        worker: dict, redis_server: RedisServer, tmp_path: Path, cli: Cli) -> None:
+    redis_server.client().flushall()
+    path = write_worker_spec(tmp_path, worker, "windowed", 12)  # 24 jobs
+    with Sampler(redis_server, "windowed", worker["model"]) as sampler:
+        code, out, err = cli("campaign", "run", path, "--window", 6, "--wait", "--timeout", 240,
+                             "--broker", redis_server.url)
+    assert code == 0, err
+    assert "enqueued 24 jobs" in out and "through a window of 6 jobs" in out, out
+    assert "finished: 24 done, 0 failed, 0 cancelled" in out
+    assert 0 < sampler.most_open <= 6 and sampler.most_queued <= 6
+    ids = manifest_ids(open_storage(str(worker["out"])), "windowed")
+    assert len(ids) == len(set(ids)) == 24
+    # Counts and the (empty) open set; no set, hash or key that grows with the campaign.
+    assert campaign_keys(redis_server, "windowed") == {"counts", "times"}
+    status = Progress(redis_server.client()).status("windowed")
+    assert {k: status[k] for k in ("submitted", "done", "queued", "running", "window", "jobs", "finished")} == \
+        {"submitted": 24, "done": 24, "queued": 0, "running": 0, "window": 6, "jobs": 24, "finished": True}
+    code, out, _ = cli("status", "windowed", "--broker", redis_server.url)
+    assert "window            6 jobs queued or running at most, 24 jobs in all" in out, out
+    code, out, err = cli("campaign", "run", path, "--window", 6, "--broker", redis_server.url)
+    assert code == 0 and "nothing to do: all 24 jobs already in storage" in out
+
+
+def test_a_stopped_feeder_resumes_sending_nothing_twice(worker: dict, redis_server: RedisServer,
+                                                        tmp_path: Path) -> None:
+    redis_server.client().flushall()
+    client, settings = redis_server.client(), Settings(broker_url=redis_server.url)
+    path = write_worker_spec(tmp_path, worker, "resumed", 8)  # 16 jobs
+    spec = dataclasses.replace(load_spec(path), window=4)
+    worker["process"].proc.send_signal(signal.SIGSTOP)  # nothing is taken: the window fills and stays full
+    try:
+        feeder = subprocess.Popen([sys.executable, "-m", "renderfarm_cli", "campaign", "run", str(path),
+                                   "--window", "4", "--broker", redis_server.url], stderr=subprocess.DEVNULL)
+        wait_for(lambda: client.scard("rf:c:resumed:open") == 4, 60, "the window full")
+        assert client.exists("rf:c:resumed:feeder")
+        with pytest.raises(FeederBusy, match=r"campaign='resumed': is being fed by another run \(.+\)"):
+            run_campaign(spec, settings=settings)
+        feeder.terminate()  # as an operator stops it: the lock goes with it
+        assert feeder.wait(30) == 128 + signal.SIGTERM
+        # (a paused worker's pop already sent to Redis may have taken some: they wait in unacked)
+        messages = lambda: queued(redis_server, worker["model"]) + client.hlen("unacked")  # noqa: E731
+        assert not client.exists("rf:c:resumed:feeder") and messages() == 4
+        runs: list = []
+        again = threading.Thread(target=lambda: runs.append(run_campaign(spec, settings=settings)))
+        again.start()
+        time.sleep(1)
+        assert messages() == 4  # the earlier run's 4 stay; the window is full
+    finally:
+        worker["process"].proc.send_signal(signal.SIGCONT)
+    again.join(240)
+    [run] = runs
+    assert (run.jobs, run.already_done, run.queued, run.submitted) == (16, 0, 4, 12)
+    assert "skipped 4 jobs already queued by an earlier run" in run.summary()
+    progress = Progress(client)
+    wait_for(lambda: progress.status("resumed")["finished"], 240, "every job")
+    assert int(client.hget("rf:c:resumed:counts", "submitted")) == 16  # each job sent once
+    ids = manifest_ids(open_storage(str(worker["out"])), "resumed")
+    assert len(ids) == len(set(ids)) == 16 and set(ids) == {j.job_id for j in campaign_jobs(spec)}
+
+
+def test_feeders_of_two_campaigns_run_at_once_and_a_cancel_stops_one(
+        worker: dict, redis_server: RedisServer, tmp_path: Path) -> None:
+    redis_server.client().flushall()
+    settings, progress = Settings(broker_url=redis_server.url), Progress(redis_server.client())
+    specs = {name: dataclasses.replace(load_spec(write_worker_spec(tmp_path, worker, name, 5)), window=3)
+             for name in ("left", "right")}  # 10 jobs each
+    runs: dict = {}
+    worker["process"].proc.send_signal(signal.SIGSTOP)
+    try:
+        feeders = [threading.Thread(target=lambda n=name: runs.__setitem__(n, run_campaign(specs[n], settings=settings)))
+                   for name in specs]
+        for feeder in feeders:
+            feeder.start()
+        wait_for(lambda: all(progress.status(n)["queued"] == 3 for n in specs), 60, "both windows filled")
+        cancel_campaign("left", redis_server.url)
+    finally:
+        worker["process"].proc.send_signal(signal.SIGCONT)
+    for feeder in feeders:
+        feeder.join(240)
+    assert runs["right"].submitted == 10 and runs["right"].submission.stopped is None
+    assert runs["left"].submitted == 3
+    assert "stopped feeding: campaign left was cancelled; run it again to resume it" in runs["left"].summary()
+    wait_for(lambda: progress.status("right")["finished"], 240, "the other campaign")
+    wait_for(lambda: progress.status("left")["cancelled"] == 3, 240, "the queued three skipped")
+    assert not progress.status("left")["finished"]  # not fed to the end
+    again = run_campaign(specs["left"], settings=settings)  # resumes: lifts the cancel, sends the rest
+    assert (again.already_done, again.submitted) == (0, 10)
+    wait_for(lambda: progress.status("left")["finished"], 240, "the resumed campaign")
+    assert len(manifest_ids(open_storage(str(worker["out"])), "left")) == 10
+
+
+def test_a_campaign_is_windowed_or_not_for_good(broker: str, redis_server: RedisServer, tmp_path: Path,
+                                                cli: Cli) -> None:
+    redis_server.client().flushall()
+    (tmp_path / "rows.txt").write_text("a\nb\nc\n")
+    path = write_spec(tmp_path, "kind", "some/model", "rows.txt")
+    code, out, err = cli("campaign", "run", path, "--window", 5, "--broker", broker)
+    assert code == 0 and "enqueued 3 jobs" in out and "through a window of 5 jobs" in out
+    code, out, err = cli("submit", "x", "--model", "some/model", "--campaign", "kind", "--broker", broker)
+    assert code == 2 and "campaign='kind': is fed through a window" in err
+    code, out, err = cli("campaign", "run", path, "--broker", broker)
+    assert code == 2 and "campaign='kind': is fed through a window" in err
+    assert queued(redis_server, "some/model") == 3  # neither sent anything
+
+    plain = write_spec(tmp_path, "plain", "some/model", "rows.txt")
+    assert cli("campaign", "run", plain, "--broker", broker)[0] == 0
+    code, out, err = cli("campaign", "run", plain, "--window", 10, "--broker", broker)
+    assert code == 2 and "window=10: campaign plain was submitted without a window" in err
+    code, out, err = cli("campaign", "run", plain, "--window", 0, "--broker", broker)
+    assert code == 2 and "window=0: must be a whole number of jobs from 1 to" in err
+    bad = write_spec(tmp_path, "badwindow", "some/model", "rows.txt", window="many")
+    code, out, err = cli("campaign", "validate", bad)
+    assert code == 2 and f"{bad}: window='many': must be a whole number of jobs" in err
+
+
+def test_a_counted_campaign_tells_a_job_delivered_again_after_it_finished(redis_server: RedisServer) -> None:
+    """Its attempts are forgotten when it is done: a later delivery of it is still not its first
+    (so the worker looks for its stored result), and it is counted done once."""
+    client = redis_server.client()
+    client.flushall()
+    progress = Progress(client)
+    client.hset("rf:c:counted:counts", "window", 10)
+    progress.admit("counted", ["a", "b"], "rf.q")
+    assert progress.started([("counted", "a"), ("counted", "b")]) == [1, 1]
+    progress.finished([("counted", "a")], [1.5])
+    assert not client.hexists("rf:c:counted:attempts", "a")
+    assert progress.started([("counted", "a"), ("counted", "b")]) == [2, 2]
+    progress.finished([("counted", "a"), ("counted", "b")], [1.5, 2.0])
+    status = progress.status("counted")
+    assert (status["submitted"], status["done"], status["device_seconds"]) == (2, 2, 3.5)
+    assert not client.exists("rf:c:counted:attempts", "rf:c:counted:open", "rf:c:counted:done")

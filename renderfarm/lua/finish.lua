@@ -1,16 +1,32 @@
 -- Mark a campaign's jobs done and add each newly done job's device-seconds to the campaign's
 -- total, atomically: a job finished twice (a redelivery after its result was stored) counts
--- once.
--- KEYS[1]: the campaign's done set; KEYS[2]: its times hash (field device_seconds)
+-- once. A campaign fed through a window (its counts hash has a window) keeps no done set:
+-- a job is newly done when it leaves the open set, and the done count goes up; its
+-- attempts are forgotten (renderfarm/progress.py's `started` knows such a job is not new).
+-- KEYS[1]: the campaign's done set; KEYS[2]: its times hash (field device_seconds);
+-- KEYS[3]: its open set; KEYS[4]: its counts hash (fields window, done); KEYS[5]: its
+-- attempts hash
 -- ARGV: job id, device-seconds, job id, device-seconds, ...
 -- Returns the device-seconds added, as a string (Lua numbers would be cut to integers).
-local added = 0
+local counted = redis.call('HEXISTS', KEYS[4], 'window') == 1
+local added, newly = 0, 0
 for i = 1, #ARGV, 2 do
-  if redis.call('SADD', KEYS[1], ARGV[i]) == 1 then
+  local new
+  if counted then
+    new = redis.call('SREM', KEYS[3], ARGV[i])
+    redis.call('HDEL', KEYS[5], ARGV[i])
+  else
+    new = redis.call('SADD', KEYS[1], ARGV[i])
+  end
+  if new == 1 then
     added = added + tonumber(ARGV[i + 1])
+    newly = newly + 1
   end
 end
 if added > 0 then
   redis.call('HINCRBYFLOAT', KEYS[2], 'device_seconds', added)
+end
+if counted and newly > 0 then
+  redis.call('HINCRBY', KEYS[4], 'done', newly)
 end
 return tostring(added)

@@ -1,0 +1,181 @@
+"""Feeding a campaign through a window: at most N of its jobs queued or running at once,
+refilled as the workers finish them, so Redis holds N jobs' messages and ids whatever the
+campaign's size (`renderfarm campaign run SPEC --window N`, or `window: N` in the spec, which
+scheduled runs use too).
+
+The campaign is counted (renderfarm/progress.py): its open set holds the ids of the jobs
+queued or running, and workers take a job out of it as they finish, fail or skip it. The
+feeder streams the jobs storage lacks, and sends a chunk once the open set has room for it.
+Resuming is running it again: a job storage holds is not submitted, one still open is not
+sent twice. One feeder per campaign (a lock, `rf:c:CAMPAIGN:feeder`, renewed while it runs and
+expiring if the feeder dies); feeders of different campaigns run side by side.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import time
+from collections.abc import Iterable
+
+import redis
+from tqdm import tqdm
+
+from producer.submit import CHUNK, Submission, WaitTimeout, _Enqueuer
+from renderfarm.jobs import JobError, JobSpec
+from renderfarm.progress import Progress, key
+from renderfarm.queue import make_app
+from renderfarm.settings import Settings
+
+LOCK_SECONDS = 30  # a dead feeder's lock lasts this long; a live one renews it every poll
+POLL_SECONDS = 0.2  # how often a full window is looked at
+MAX_WINDOW = 10**9
+
+
+class FeederBusy(JobError):
+    """Another run feeds this campaign now."""
+
+
+class _Lock:
+    """The campaign's feeder lock, held by host:pid."""
+
+    def __init__(self, client: redis.Redis, campaign: str) -> None:
+        self.client, self.campaign, self.name = client, campaign, key(campaign, "feeder")
+        self.token = f"{socket.gethostname()}:{os.getpid()}:{time.time():.3f}"
+        if not client.set(self.name, self.token, nx=True, ex=LOCK_SECONDS):
+            holder = (client.get(self.name) or b"?").decode()
+            raise FeederBusy("campaign", campaign, f"is being fed by another run ({holder}); one feeder per "
+                             f"campaign (a run that died frees it within {LOCK_SECONDS} s)")
+        self.renewed = time.monotonic()
+
+    def renew(self) -> None:
+        if time.monotonic() - self.renewed < LOCK_SECONDS / 6:
+            return
+        if self.client.get(self.name) != self.token.encode():
+            raise FeederBusy("campaign", self.campaign, "lost its feeder lock (this run stalled for "
+                             f"{LOCK_SECONDS} s and another took over)")
+        self.client.expire(self.name, LOCK_SECONDS)
+        self.renewed = time.monotonic()
+
+    def release(self) -> None:
+        if self.client.get(self.name) == self.token.encode():
+            self.client.delete(self.name)
+
+
+def check_window(window: object) -> int:
+    if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= MAX_WINDOW:
+        raise JobError("window", window, f"must be a whole number of jobs from 1 to {MAX_WINDOW}")
+    return window
+
+
+class Feeder:
+    """One run's hold on a counted campaign: its lock, and the ids of the jobs earlier runs left
+    open (queued or running), which this run leaves to the workers. Taken before storage is
+    listed, so a job finishing in between is either listed or left: never sent twice."""
+
+    def __init__(self, campaign: str, window: int, settings: Settings | None = None) -> None:
+        self.campaign, self.window = campaign, check_window(window)
+        self.settings = settings or Settings.from_env()
+        self.client = redis.Redis.from_url(self.settings.broker_url)
+        try:
+            self.lock = _Lock(self.client, campaign)
+        except BaseException:
+            self.client.close()
+            raise
+        try:
+            self._check_kind()
+        except BaseException:
+            self.__exit__()
+            raise
+        self.queued = {i.decode() for i in self.client.smembers(key(campaign, "open"))}
+
+    def _check_kind(self) -> None:
+        if not Progress(self.client).counted(self.campaign) and \
+                self.client.exists(key(self.campaign, "submitted"), key(self.campaign, "done")):
+            raise JobError("window", self.window, f"campaign {self.campaign} was submitted without a window "
+                           "(its progress is kept per job): run it without a window, or give the spec another name")
+
+    def __enter__(self) -> Feeder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
+        self.client.close()
+
+    def feed(self, jobs: Iterable[JobSpec], todo: int, queued: int, started: float | None = None,
+             progress: bool = True, poll: float = POLL_SECONDS) -> Submission:
+        """Submit the campaign's validated jobs (`todo` of them: none stored or open; `queued`: the
+        campaign's open jobs storage lacks), keeping at most the window open. Returns when every
+        job is sent, or when the campaign is cancelled (the Submission says so)."""
+        started = time.perf_counter() if started is None else started
+        campaign, window, client = self.campaign, self.window, self.client
+        chunk_size = max(1, min(CHUNK, window // 2))  # room for one chunk opens while the other renders
+        stopped = None
+        with make_app(self.settings) as app, app.producer_or_acquire() as producer:
+            enqueuer = _Enqueuer(app, producer, Progress(client), counted=True)
+            enqueuer.already_queued = queued
+            self._start(todo + queued, enqueuer)
+            stream = iter(jobs)
+            with tqdm(total=todo, unit="job", desc=f"feeding {campaign} (window {window})",
+                      disable=not progress) as bar:
+                while chunk := list(itertools.islice(stream, chunk_size)):
+                    stopped = self._wait_for_room(window - len(chunk), poll)
+                    if stopped:
+                        break
+                    enqueuer.send(chunk)
+                    bar.update(len(chunk))
+            if not stopped:
+                client.hset(key(campaign, "counts"), "fed", 1)
+        return enqueuer.result(self.settings.broker_url, time.perf_counter() - started, window, stopped)
+
+    def _start(self, left: int, enqueuer: _Enqueuer) -> None:
+        """Mark the campaign counted, with this run's window and its total: the jobs done so far
+        and the `left` ones storage lacks."""
+        client, campaign, state = self.client, self.campaign, enqueuer.progress
+        counts = key(campaign, "counts")
+        done = int(client.hget(counts, "done") or 0)
+        pipe = client.pipeline(transaction=False)
+        pipe.hset(counts, mapping={"window": self.window, "jobs": done + left})
+        pipe.hdel(counts, "fed")
+        pipe.execute()
+        if state.is_cancelled(campaign):  # running it again resumes it, as without a window
+            state.resume(campaign)
+            enqueuer.resumed.append(campaign)
+
+    def _wait_for_room(self, most: int, poll: float) -> str | None:
+        """Wait until at most `most` of the campaign's jobs are open; the reason to stop instead."""
+        while True:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.scard(key(self.campaign, "open"))
+            pipe.exists(key(self.campaign, "cancel"))
+            open_jobs, cancelled = pipe.execute()
+            if cancelled:
+                return f"campaign {self.campaign} was cancelled; run it again to resume it"
+            self.lock.renew()
+            if open_jobs <= max(most, 0):
+                return None
+            time.sleep(poll)
+
+
+def follow(campaign: str, broker_url: str, timeout: float | None = None, progress: bool = True,
+           poll: float = 1.0) -> dict[str, int]:
+    """Follow a counted campaign until none of its jobs is open (`campaign run --window --wait`):
+    its done, failed and cancelled counts. Raises WaitTimeout after `timeout` seconds."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with redis.Redis.from_url(broker_url) as client:
+        state = Progress(client)
+        report = state.status(campaign)
+        with tqdm(total=report["jobs"], unit="job", desc=f"campaign {campaign}", disable=not progress) as bar:
+            while True:
+                counts = {name: report[name] for name in ("done", "failed", "cancelled")}
+                bar.n = sum(counts.values())
+                bar.set_postfix(counts, refresh=False)
+                bar.refresh()
+                if report["queued"] + report["running"] == 0:
+                    return counts
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise WaitTimeout(f"timed out after {timeout:g} s: {counts['done']} done, {counts['failed']} "
+                                       f"failed, {report['queued'] + report['running']} still queued or running")
+                time.sleep(poll)
+                report = state.status(campaign)
