@@ -6,9 +6,9 @@ Redis round trips, not one per job: which jobs are already done, the campaign bo
 and the messages (one LPUSH per queue and priority). Building a message through Celery and
 kombu for each job (`as_task_v2`, `send_task_message`, `Producer.publish`) cost most of a
 submit's time, so `_TaskMessages` has them build one message per queue and priority with
-placeholders, and each job fills in its id, kwargs, kwargsrepr and delivery tag: the bytes
-are what `send_task` writes (minus its per-job round trip and the task-sent event), which
-tests/test_producer.py checks.
+placeholders, and each job fills in its id, kwargs and delivery tag. The message keeps only
+what a worker reads (see _TaskMessages), so a queued job costs Redis less than half of what
+`send_task` writes; tests/test_producer.py checks that Celery reads both the same way.
 
 A submission records its job ids per campaign (`rf:c:CAMPAIGN:submission:ID`, expiring), so
 `wait` follows exactly its jobs and a job given twice in one input is sent once.
@@ -26,9 +26,7 @@ from typing import Any
 
 import redis
 from celery import Celery
-from celery.utils.saferepr import saferepr
 from kombu import Producer
-from kombu.entity import maybe_delivery_mode
 from kombu.serialization import dumps as serialize
 from kombu.utils.json import JSONEncoder
 from kombu.utils.uuid import uuid
@@ -43,7 +41,6 @@ from renderfarm.settings import Settings
 CHUNK = 1000  # jobs per round trip: big enough to amortise it, small enough to stay flat
 SUBMISSION_TTL = 7 * 24 * 3600  # how long `wait` can follow a submission (as results live)
 POLL_SECONDS = 1.0
-NO_ARGS_REPR = "()"  # what Celery's saferepr makes of a job's (empty) args, without its cost
 
 
 def _members_key(campaign: str, submission_id: str) -> str:
@@ -99,15 +96,22 @@ class _TaskMessages:
     """Jobs' Celery task messages in the form kombu's Redis transport stores them (its JSON
     envelope), with the list each goes to. Celery and kombu build one message per queue and
     priority, with placeholders for what differs between jobs; a job's message is that
-    template filled in, the same bytes at a fraction of the cost."""
+    template filled in, at a fraction of the cost.
+
+    Every queued job is Redis memory, so the message holds what a worker reads and no more:
+    of Celery's headers the task and its id (a worker reads every other one as its default
+    when it is absent), an empty embed (no callbacks), the properties kombu routes and
+    acknowledges by, and the body as JSON text rather than base64 (kombu decodes a body
+    without `body_encoding` as it is). The argument reprs Flower shows, a second copy of the
+    job, are written back by the worker's door (worker/envelope.py). bench/window.py
+    measures the bytes."""
 
     KWARGS = {"rf-slot": "kwargs"}  # stands for a job's kwargs in the body
-    SLOTS = {"id": "rf-slot-id", "kwargsrepr": "rf-slot-kwargsrepr", "body": "rf-slot-body",
-             "tag": "rf-slot-delivery-tag", "enqueued": "rf-slot-enqueued"}  # stand for the rest in the envelope
+    SLOTS = {"id": "rf-slot-id", "body": "rf-slot-body", "tag": "rf-slot-delivery-tag",
+             "enqueued": "rf-slot-enqueued"}  # stand for the rest in the envelope
 
     def __init__(self, app: Celery, producer: Producer) -> None:
         self.app, self.channel = app, producer.channel
-        self.repr_limit = app.amqp.kwargsrepr_maxsize
         self.json = JSONEncoder()  # kombu's JSON, made once rather than once per call
         self.templates: dict[tuple[str, int], tuple[str, str, str, str]] = {}
 
@@ -116,30 +120,25 @@ class _TaskMessages:
         target = (message["queue"], message["priority"])
         template = self.templates.get(target) or self._template(*target)
         key, body_head, body_tail, envelope = template
-        kwargs, encode = message["kwargs"], self.json.encode
-        shown = repr(kwargs)  # what Flower shows; Celery's saferepr (30x a repr) only to cut it
-        if len(shown) > self.repr_limit:
-            shown = saferepr(kwargs, self.repr_limit)
-        body = self.channel.encode_body(body_head + encode(kwargs) + body_tail, self.channel.body_encoding)[0]
-        return key, envelope.format(id=encode(message["task_id"]), kwargsrepr=encode(shown),
-                                    body=encode(body), tag=encode(uuid()), enqueued=repr(time.time()))
+        encode = self.json.encode
+        body = body_head + encode(message["kwargs"]) + body_tail
+        return key, envelope.format(id=encode(message["task_id"]), body=encode(body), tag=encode(uuid()),
+                                    enqueued=repr(time.time()))
 
     def _template(self, queue_name: str, priority: int) -> tuple[str, str, str, str]:
         """What `send_task_message` and `Producer.publish` make of a job for this queue and
-        priority, and what the Redis channel's `basic_publish` and `_put` store, with slots."""
-        amqp, channel, slots = self.app.amqp, self.channel, self.SLOTS
-        headers, properties, body, _ = amqp.as_task_v2(
-            slots["id"], TASK_NAME, kwargs=self.KWARGS, argsrepr=NO_ARGS_REPR, kwargsrepr=slots["kwargsrepr"])
-        headers[ENQUEUED_HEADER] = slots["enqueued"]  # the queue wait's start (worker/metrics.py)
-        content_type, content_encoding, payload = serialize(body, serializer=self.app.conf.task_serializer)
+        priority, and what the Redis channel's `basic_publish` and `_put` store, with slots,
+        less what a worker does not read."""
+        channel, slots = self.channel, self.SLOTS
+        # the queue wait's start (worker/metrics.py): Celery's messages carry no enqueue time
+        headers = {"task": TASK_NAME, "id": slots["id"], ENQUEUED_HEADER: slots["enqueued"]}
+        content_type, content_encoding, payload = serialize(((), self.KWARGS, {}),
+                                                            serializer=self.app.conf.task_serializer)
         body_head, body_tail = payload.split(self.json.encode(self.KWARGS))
-        queue = amqp.queues[queue_name]
-        properties["delivery_mode"] = maybe_delivery_mode(
-            queue.exchange.delivery_mode or self.app.conf.task_default_delivery_mode)
-        message = channel.prepare_message(slots["body"], priority, content_type, content_encoding,
-                                          headers, properties)
-        message["properties"].update(body_encoding=channel.body_encoding, delivery_tag=slots["tag"])
-        message["properties"]["delivery_info"].update(exchange="", routing_key=queue_name)
+        message = {"body": slots["body"], "content-encoding": content_encoding, "content-type": content_type,
+                   "headers": headers,
+                   "properties": {"delivery_info": {"exchange": "", "routing_key": queue_name},
+                                  "priority": priority, "delivery_tag": slots["tag"]}}
         text = self.json.encode(message).replace("{", "{{").replace("}", "}}")
         for name, slot in slots.items():
             text = text.replace(self.json.encode(slot), f"{{{name}}}")

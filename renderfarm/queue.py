@@ -16,6 +16,7 @@ from renderfarm.settings import Settings
 
 TASK_NAME = "renderfarm.render"
 ENQUEUED_HEADER = "rf_enqueued"  # a message header: when the producer enqueued it (unix seconds)
+REPR_LIMIT = 16384  # characters of a job's fields Flower shows (Celery's default cuts at 1 KiB)
 QUEUE_PREFIX = "rf."
 PRIORITY_STEPS = list(range(10))
 
@@ -74,7 +75,7 @@ def make_app(settings: Settings | None = None) -> Celery:
     if settings.broker_url.startswith("rediss://"):
         app.conf.broker_use_ssl = tls_options(settings.broker_url)
     # Celery cuts argument reprs at 1 KiB; a job's spec must stay whole in Flower.
-    app.amqp.argsrepr_maxsize = app.amqp.kwargsrepr_maxsize = 16384
+    app.amqp.argsrepr_maxsize = app.amqp.kwargsrepr_maxsize = REPR_LIMIT
     return app
 
 
@@ -95,12 +96,13 @@ def tls_options(url: str) -> dict[str, object]:
 
 
 def job_message(spec: JobSpec) -> dict[str, object]:
-    """The task options of one job: its id is the job id, its queue its model's."""
+    """The task options of one job: its id is the job id, its queue its model's, its keyword
+    arguments the fields that are set (the job contract reads an absent field as null)."""
     return {
         "task_id": spec.job_id,
         "queue": queue_name(spec.model, spec.dtype, spec.variant, spec.base, spec.loras),
         "priority": redis_priority(spec.priority),
-        "kwargs": spec.to_dict(),
+        "kwargs": {name: value for name, value in spec.to_dict().items() if value is not None},
     }
 
 

@@ -23,7 +23,7 @@ app = make_app()
 @app.task(name=TASK_NAME, bind=True)
 def render(self: Task, **job: Any) -> None:
     request = self.request
-    record = {"id": request.id, "job": job, "kwargsrepr": request.kwargsrepr,
+    record = {"id": request.id, "job": job, "kwargsrepr": getattr(request, "kwargsrepr", None),
               "queue": request.delivery_info.get("routing_key")}
     with redis.Redis.from_url(app.conf.broker_url) as client:
         client.rpush(ECHO_KEY, json.dumps(record))

@@ -100,7 +100,10 @@ def test_priority_order_fifo_and_recorded_as_unacked_when_delivered(broker: str,
     def on_message(body: str, message: Any) -> None:
         record = r.hget("unacked", message.delivery_tag)
         assert record is not None and r.zscore("unacked_index", message.delivery_tag) is not None
-        assert json.loads(record) == [message._raw, "jobs", "jobs"]  # what kombu's restore reads
+        # what kombu's restore reads: the message as it was queued (the door adds Flower's reprs)
+        raw = {**message._raw, "headers": {k: v for k, v in message._raw["headers"].items()
+                                           if k not in ("argsrepr", "kwargsrepr")}}
+        assert json.loads(record) == [raw, "jobs", "jobs"]
         seen.append(message)
 
     with connect(broker) as conn, conn.Consumer(QUEUE, callbacks=[on_message]) as consumer:

@@ -163,7 +163,8 @@ def raw(text: bytes) -> bytes:
 ENVELOPE: dict[str, tuple[Callable[[dict], None] | bytes, str]] = {
     "body-not-base64": (setter("body", value="!!! not base64 !!!"), "body='!!! not base64 !!!': must be base64"),
     "body-encoding-unknown": (setter("properties", "body_encoding", value="rot13"), "properties.body_encoding='rot13'"),
-    "body-encoding-missing": (setter("properties", "body_encoding", delete=True), "properties.body_encoding=None"),
+    # no body_encoding: the body is read as JSON text, and this one is base64
+    "body-encoding-missing": (setter("properties", "body_encoding", delete=True), "body='W1td"),
     "task-id-list": (setter("headers", "id", value=["a", "b"]), "headers.id=['a', 'b']"),
     "task-id-int": (setter("headers", "id", value=7), "headers.id=7"),
     "task-id-missing": (setter("headers", "id", delete=True), "headers.id=None"),

@@ -19,7 +19,7 @@ from kombu.message import Message
 
 from producer import WaitTimeout, campaign_status, submit, wait_for
 from producer.submit import enqueue_jobs
-from renderfarm.jobs import JobError, JobSpec
+from renderfarm.jobs import JobError, JobSpec, parse_job
 from renderfarm.progress import Progress
 from renderfarm.queue import (
     ENQUEUED_HEADER,
@@ -33,6 +33,7 @@ from renderfarm.settings import Settings
 from tests.celery_echo_app import ECHO_KEY
 from tests.conftest import Cli
 from tests.redis_server import RedisServer
+from worker.envelope import open_envelope
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,11 +74,11 @@ def test_submit_txt_enqueues_one_celery_message_per_prompt(cli: Cli, broker: str
     assert [m.headers["id"] for m in messages] == [s.job_id for s in expected]
     for message, spec in zip(messages, expected):
         args, kwargs, _embed = message.decode()
-        assert (args, kwargs) == ([], spec.to_dict())
+        assert (args, parse_job(kwargs)) == ([], spec)
+        assert kwargs == job_message(spec)["kwargs"]  # the fields that are set
         assert message.content_type == "application/json"
         assert message.headers["task"] == "renderfarm.render"
-        assert message.headers["kwargsrepr"] == repr(spec.to_dict())
-        assert message.properties["correlation_id"] == spec.job_id
+        assert set(message.headers) == {"task", "id", ENQUEUED_HEADER}  # a worker's door adds Flower's reprs
         assert message.properties["priority"] == redis_priority(7)
     assert progress.status("c1")["submitted"] == 4
     assert progress.r.smembers("rf:queues") == {b"rf.float32.org/model"}
@@ -95,8 +96,8 @@ def test_submit_jsonl_routes_each_job_to_its_model_queue_and_priority(broker: st
     assert [m.decode()[1]["seed"] for m in main] == [0, 3, 7]
     assert [m.properties["priority"] for m in main] == [redis_priority(p) for p in (9, 3, 0)]
     (other,) = drain(broker, "rf.bfloat16.x/y")
-    assert other.decode()[1] == JobSpec(prompt="other model", model="x/y", seed=1, dtype="bfloat16",
-                                        campaign="c2", priority=3).to_dict()
+    assert parse_job(other.decode()[1]) == JobSpec(prompt="other model", model="x/y", seed=1, dtype="bfloat16",
+                                                   campaign="c2", priority=3)
 
 
 def stored_queues(server: RedisServer, since: float = 0.0) -> dict[bytes, list[str]]:
@@ -113,33 +114,57 @@ def stored_queues(server: RedisServer, since: float = 0.0) -> dict[bytes, list[s
     return lists
 
 
-def test_a_job_is_the_message_celery_and_kombu_would_write(broker: str, redis_server: RedisServer) -> None:
-    """Submit fills in per-queue templates rather than running as_task_v2 and kombu's publish
-    per job: the stored bytes must be theirs, headers (with Flower's kwargsrepr), body and
-    properties, in the same priority lists and order."""
+def celery_view(item: bytes, broker: str) -> dict[str, Any]:
+    """What a farm worker's Celery makes of a stored message once it passed the door: the task,
+    its id, args, kwargs and the reprs Flower shows, its delivery info and priority."""
+    payload = open_envelope(item)
+    with make_app(Settings(broker_url=broker)) as app, app.connection_for_write() as conn:
+        message = conn.default_channel.Message(payload, channel=conn.default_channel)
+        args, kwargs, embed = message.decode()
+    headers = message.headers
+    return {"task": headers["task"], "id": headers["id"], "args": args, "kwargs": kwargs, "embed": embed,
+            "argsrepr": headers["argsrepr"], "kwargsrepr": headers["kwargsrepr"],
+            "routing_key": message.delivery_info["routing_key"], "priority": message.properties["priority"]}
+
+
+def test_a_job_is_read_as_celery_and_kombu_would_write_it_in_less_than_half_the_bytes(
+        broker: str, redis_server: RedisServer) -> None:
+    """Submit fills in per-queue templates of only what a worker reads rather than running
+    as_task_v2 and kombu's publish per job: past the worker's door, Celery must read the same
+    job as from `send_task`'s message (task, id, fields, Flower's reprs, routing, priority), in
+    the same priority lists and order, from less than half the bytes."""
     specs = [JobSpec(prompt='un château "q" \\ ☃ it\'s', model="org/m", seed=3, steps=4, width=512,
                      campaign="c1", priority=7),
              JobSpec(prompt="b", model="org/m", seed=4, guidance_scale=0.0, campaign="c1"),
              JobSpec(prompt="urgent", model="org/m", seed=5, scheduler="ddim", campaign="c1", priority=9),
              JobSpec(prompt="other", model="x/y", seed=6, dtype="bfloat16", campaign="c2", priority=0),
              JobSpec(prompt="b2", model="org/m", seed=8, campaign="c1"),
-             # a kwargsrepr past Celery's size limit: Celery's saferepr cuts it
+             # a kwargsrepr past Celery's size limit: cut as Celery's saferepr cuts it
              JobSpec(prompt="p" * 10_000, negative_prompt="n" * 10_000, model="org/m", seed=7, campaign="c1")]
-    started = time.time()
+    client, started = redis_server.client(), time.time()
     enqueue_jobs(specs, Settings(broker_url=broker))
-    ours = stored_queues(redis_server, since=started)
+    stored_queues(redis_server, since=started)  # each with its enqueue time
+    ours = {name: client.lrange(name, 0, -1) for name in client.scan_iter("rf.*", _type="list")}
 
-    redis_server.client().flushall()
+    client.flushall()
     with make_app(Settings(broker_url=broker)) as app, app.producer_or_acquire() as producer:
         for spec in specs:
             m = job_message(spec)
-            shown = repr(m["kwargs"])  # what Flower shows, as submit always sent it
-            task = app.amqp.as_task_v2(m["task_id"], TASK_NAME, kwargs=m["kwargs"],
-                                       kwargsrepr=shown if len(shown) <= app.amqp.kwargsrepr_maxsize else None)
-            task.headers[ENQUEUED_HEADER] = 0.0  # ours carry the enqueue time (the queue wait's start)
-            app.amqp.send_task_message(producer, TASK_NAME, task, queue=m["queue"], priority=m["priority"])
-    assert ours == stored_queues(redis_server)
-    assert sorted(len(v) for v in ours.values()) == [1, 1, 1, 3]  # 4 lists: queue x priority
+            shown = repr(m["kwargs"])  # the door's repr: Celery's saferepr (30x a repr) only to cut it
+            app.send_task(TASK_NAME, task_id=m["task_id"], kwargs=m["kwargs"], queue=m["queue"],
+                          priority=m["priority"], producer=producer,
+                          kwargsrepr=shown if len(shown) <= app.amqp.kwargsrepr_maxsize else None)
+    theirs = {name: client.lrange(name, 0, -1) for name in client.scan_iter("rf.*", _type="list")}
+    assert sorted(ours) == sorted(theirs) and sorted(len(v) for v in ours.values()) == [1, 1, 1, 3]  # queue x priority
+    views = []
+    for name, messages in ours.items():
+        views += [celery_view(m, broker) for m in messages]
+        assert views[-len(messages):] == [{**celery_view(m, broker), "embed": {}} for m in theirs[name]]  # in order
+    by_id = {s.job_id: s for s in specs}  # every field of every job:
+    assert sorted(v["id"] for v in views) == sorted(by_id) and all(parse_job(v["kwargs"]) == by_id[v["id"]]
+                                                                    for v in views)
+    sizes = [(len(m), len(t)) for name in ours for m, t in zip(ours[name], theirs[name])]
+    assert all(size < 0.5 * send_task_size for size, send_task_size in sizes[:-1]), sizes  # the long one aside
 
 
 BAD_LINES = {
@@ -338,8 +363,9 @@ def test_a_real_celery_worker_consumes_submitted_jobs_intact_and_by_priority(
         records = [json.loads(r) for r in client.lrange(ECHO_KEY, 0, -1)]
         assert len(records) == len(rows), (tmp_path / "worker.log").read_text()
         assert [r["id"] for r in records] == [s.job_id for s in expected]
-        assert [r["job"] for r in records] == [s.to_dict() for s in expected]
-        assert [r["kwargsrepr"] for r in records] == [repr(s.to_dict()) for s in expected]
+        assert [r["job"] for r in records] == [job_message(s)["kwargs"] for s in expected]
+        assert [parse_job(r["job"]) for r in records] == expected
+        assert [r["kwargsrepr"] for r in records] == [None] * len(rows)  # stock Celery: no door, no repr
         assert {r["queue"] for r in records} == {queue}
 
         report = campaign_status("echo", broker)  # the live worker answers: it consumes the queue

@@ -9,6 +9,10 @@ So the transport (worker.broker) checks each raw item here first: what comes out
 payload that kombu and Celery can take without raising, and whose body is the job's
 keyword fields; what does not gets its reason, and goes to the dead letters.
 
+The farm's producer leaves the argument reprs out of its messages (they would double a
+queued job's bytes: producer/submit.py); the door writes them into the headers, as Celery's
+`send_task` would have, so Flower shows every job's fields.
+
 The job's own fields are checked later, by the job contract (renderfarm.jobs.parse_job), where
 a failure is recorded as the job's result too.
 """
@@ -20,8 +24,10 @@ import binascii
 import json
 from typing import Any
 
+from celery.utils.saferepr import saferepr
+
 from renderfarm.jobs import shown
-from renderfarm.queue import TASK_NAME
+from renderfarm.queue import REPR_LIMIT, TASK_NAME
 
 MAX_MESSAGE_BYTES = 1 << 20  # a job with two 10,000-character prompts is far below this
 MAX_ID_CHARS = 256
@@ -63,15 +69,26 @@ def open_envelope(item: bytes) -> dict[str, Any]:
     for key in ("correlation_id", "reply_to"):
         _require(properties.get(key), (str, type(None)), f"properties.{key}", "must be a string or null")
     encoding = properties.get("body_encoding")
-    if encoding != "base64":
-        raise Rejected("properties.body_encoding", encoding, "must be 'base64'")
+    if encoding not in ("base64", None):
+        raise Rejected("properties.body_encoding", encoding, "must be 'base64' or absent (a JSON text body)")
     if payload.get("content-type") != "application/json":
         raise Rejected("content-type", payload.get("content-type"), "must be 'application/json'")
     if payload.get("content-encoding") != "utf-8":
         raise Rejected("content-encoding", payload.get("content-encoding"), "must be 'utf-8'")
-    _check_headers(payload.get("headers"))
-    _check_body(payload.get("body"))
+    headers = payload.get("headers")
+    _check_headers(headers)
+    args, kwargs = _check_body(payload.get("body"), encoding)
+    if headers.get("argsrepr") is None:
+        headers["argsrepr"] = _repr(tuple(args))
+    if headers.get("kwargsrepr") is None:
+        headers["kwargsrepr"] = _repr(kwargs)
     return payload
+
+
+def _repr(value: Any) -> str:
+    """What Flower shows of a job's arguments: Celery's saferepr (30x a repr) only to cut it."""
+    text = repr(value)
+    return text if len(text) <= REPR_LIMIT else saferepr(value, REPR_LIMIT)
 
 
 def _check_headers(headers: Any) -> None:
@@ -95,16 +112,21 @@ def _check_headers(headers: Any) -> None:
         raise Rejected("headers.timelimit", limits, "must be null or [soft, hard] seconds or nulls")
 
 
-def _check_body(body: Any) -> None:
-    _require(body, str, "body", "must be a base64 string")
-    try:
-        raw = base64.b64decode(body, validate=True)
-    except (binascii.Error, ValueError):
-        raise Rejected("body", body, "must be base64") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise Rejected("body", raw, f"must be UTF-8 ({err.reason} at byte {err.start})") from None
+def _check_body(body: Any, encoding: str | None) -> tuple[list, dict]:
+    """The body's args and kwargs: JSON text, or base64 of it (`send_task`'s)."""
+    if encoding is None:
+        _require(body, str, "body", "must be JSON text (no body_encoding)")
+        text = body
+    else:
+        _require(body, str, "body", "must be a base64 string")
+        try:
+            raw = base64.b64decode(body, validate=True)
+        except (binascii.Error, ValueError):
+            raise Rejected("body", body, "must be base64") from None
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise Rejected("body", raw, f"must be UTF-8 ({err.reason} at byte {err.start})") from None
     decoded = _json("body", text)
     if not (isinstance(decoded, list) and len(decoded) == 3):
         raise Rejected("body", decoded, "must be Celery's [args, kwargs, embed]")
@@ -115,6 +137,7 @@ def _check_body(body: Any) -> None:
     for key in UNSUPPORTED_EMBED:
         if embed.get(key) is not None:
             raise Rejected(f"body.embed.{key}", embed[key], "must be null (render jobs have no callbacks)")
+    return args, kwargs
 
 
 def _json(field: str, text: bytes | str) -> Any:
