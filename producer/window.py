@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import itertools
 import os
+import secrets
 import socket
+import threading
 import time
 from collections.abc import Iterable
 
@@ -28,7 +30,7 @@ from renderfarm.progress import Progress, key
 from renderfarm.queue import make_app
 from renderfarm.settings import Settings
 
-LOCK_SECONDS = 30  # a dead feeder's lock lasts this long; a live one renews it every poll
+LOCK_SECONDS = 30  # a dead feeder's lock lasts this long; a live one renews it every 5 s
 POLL_SECONDS = 0.2  # how often a full window is looked at
 MAX_WINDOW = 10**9
 
@@ -38,27 +40,39 @@ class FeederBusy(JobError):
 
 
 class _Lock:
-    """The campaign's feeder lock, held by host:pid."""
+    """The campaign's feeder lock, held by host:pid and renewed by a thread while the run
+    holds it (its scan of a large source takes longer than the lock lasts)."""
 
     def __init__(self, client: redis.Redis, campaign: str) -> None:
         self.client, self.campaign, self.name = client, campaign, key(campaign, "feeder")
-        self.token = f"{socket.gethostname()}:{os.getpid()}:{time.time():.3f}"
+        self.token = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         if not client.set(self.name, self.token, nx=True, ex=LOCK_SECONDS):
             holder = (client.get(self.name) or b"?").decode()
             raise FeederBusy("campaign", campaign, f"is being fed by another run ({holder}); one feeder per "
                              f"campaign (a run that died frees it within {LOCK_SECONDS} s)")
-        self.renewed = time.monotonic()
+        self.lost = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._keep, name=f"feeder-lock-{campaign}", daemon=True)
+        self._thread.start()
 
-    def renew(self) -> None:
-        if time.monotonic() - self.renewed < LOCK_SECONDS / 6:
-            return
-        if self.client.get(self.name) != self.token.encode():
-            raise FeederBusy("campaign", self.campaign, "lost its feeder lock (this run stalled for "
-                             f"{LOCK_SECONDS} s and another took over)")
-        self.client.expire(self.name, LOCK_SECONDS)
-        self.renewed = time.monotonic()
+    def _keep(self) -> None:
+        while not self._stop.wait(LOCK_SECONDS / 6):
+            try:
+                if self.client.get(self.name) != self.token.encode():
+                    self.lost = True
+                    return
+                self.client.expire(self.name, LOCK_SECONDS)
+            except redis.RedisError:
+                continue  # the broker away for a moment: the next round tries again
+
+    def check(self) -> None:
+        if self.lost:
+            raise FeederBusy("campaign", self.campaign, f"lost its feeder lock (Redis was out of reach for "
+                             f"{LOCK_SECONDS} s and another run took over)")
 
     def release(self) -> None:
+        self._stop.set()
+        self._thread.join()
         if self.client.get(self.name) == self.token.encode():
             self.client.delete(self.name)
 
@@ -152,7 +166,7 @@ class Feeder:
             open_jobs, cancelled = pipe.execute()
             if cancelled:
                 return f"campaign {self.campaign} was cancelled; run it again to resume it"
-            self.lock.renew()
+            self.lock.check()
             if open_jobs <= max(most, 0):
                 return None
             time.sleep(poll)

@@ -322,3 +322,21 @@ def test_a_counted_campaign_tells_a_job_delivered_again_after_it_finished(redis_
     status = progress.status("counted")
     assert (status["submitted"], status["done"], status["device_seconds"]) == (2, 2, 3.5)
     assert not client.exists("rf:c:counted:attempts", "rf:c:counted:open", "rf:c:counted:done")
+
+
+def test_the_feeder_lock_outlives_a_long_scan_and_goes_with_the_run(redis_server: RedisServer,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scan of a large source takes longer than the lock lasts: the lock is renewed meanwhile."""
+    import producer.window
+
+    monkeypatch.setattr(producer.window, "LOCK_SECONDS", 1)
+    client, settings = redis_server.client(), Settings(broker_url=redis_server.url)
+    client.flushall()
+    with producer.window.Feeder("long", 10, settings):
+        time.sleep(3)  # three lifetimes of the lock
+        assert 0 < client.pttl("rf:c:long:feeder") <= 1000
+        with pytest.raises(FeederBusy):
+            producer.window.Feeder("long", 10, settings)
+    assert not client.exists("rf:c:long:feeder")
+    with producer.window.Feeder("long", 10, settings):  # free again
+        pass
