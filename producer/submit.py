@@ -5,7 +5,7 @@ bad file: the first only validates, the second enqueues in chunks. A chunk costs
 Redis round trips, not one per job: which jobs are already done, the campaign bookkeeping,
 and the messages (one LPUSH per queue and priority). Building a message through Celery and
 kombu for each job (`as_task_v2`, `send_task_message`, `Producer.publish`) cost most of a
-submit's time, so `_TaskMessages` has them build one message per queue and priority with
+submit's time, so `_TaskMessages` builds one message per queue and priority with
 placeholders, and each job fills in its id, kwargs and delivery tag. The message keeps only
 what a worker reads (see _TaskMessages), so a queued job costs Redis less than half of what
 `send_task` writes; tests/test_producer.py checks that Celery reads both the same way.
@@ -94,9 +94,9 @@ class WaitTimeout(TimeoutError):
 
 class _TaskMessages:
     """Jobs' Celery task messages in the form kombu's Redis transport stores them (its JSON
-    envelope), with the list each goes to. Celery and kombu build one message per queue and
-    priority, with placeholders for what differs between jobs; a job's message is that
-    template filled in, at a fraction of the cost.
+    envelope), with the list each goes to. One message per queue and priority is built with
+    placeholders for what differs between jobs; a job's message is that template filled in,
+    at a fraction of the cost of Celery and kombu building each.
 
     Every queued job is Redis memory, so the message holds what a worker reads and no more:
     of Celery's headers the task and its id (a worker reads every other one as its default
@@ -126,9 +126,8 @@ class _TaskMessages:
                                     enqueued=repr(time.time()))
 
     def _template(self, queue_name: str, priority: int) -> tuple[str, str, str, str]:
-        """What `send_task_message` and `Producer.publish` make of a job for this queue and
-        priority, and what the Redis channel's `basic_publish` and `_put` store, with slots,
-        less what a worker does not read."""
+        """The message `send_task` would store for a job of this queue and priority, less what a
+        worker does not read, with slots; and the priority list kombu puts it in."""
         channel, slots = self.channel, self.SLOTS
         # the queue wait's start (worker/metrics.py): Celery's messages carry no enqueue time
         headers = {"task": TASK_NAME, "id": slots["id"], ENQUEUED_HEADER: slots["enqueued"]}

@@ -78,9 +78,8 @@ class Progress:
     def admit(self, campaign: str, job_ids: list[str], queue: str) -> None:
         """A counted campaign's jobs, about to be sent, into its open set (the feeder sends
         only jobs that are neither stored nor open: producer/window.py)."""
+        self.restart(campaign, job_ids)
         pipe = self.r.pipeline(transaction=False)
-        pipe.hdel(key(campaign, "failed"), *job_ids)  # submitted again: a fresh start
-        pipe.hdel(key(campaign, "attempts"), *job_ids)
         pipe.sadd(key(campaign, "open"), *job_ids)
         pipe.hincrby(key(campaign, "counts"), "submitted", len(job_ids))
         pipe.hsetnx(key(campaign, "times"), "first_submitted", time.time())
