@@ -161,10 +161,21 @@ def test_a_turbo_model_folder_needs_no_sampler_fields(tmp_path: Path) -> None:
     assert max(diffs) <= TOLERANCE, diffs
 
 
+def test_the_lora_references_cover_every_deterministic_scheduler_on_sdxl() -> None:
+    """SDXL's LoRA renders under each of pndm, ddim, lms, euler and dpm, with and without a negative
+    prompt (tests/oracle/lora.py), not only under the formats' euler."""
+    sdxl = [jobs for batch, jobs in LORA_BATCHES.items() if batch.startswith("lora/sdxl/peft")]
+    assert {jobs[0]["scheduler"] for jobs in sdxl} == {"pndm", "ddim", "lms", "euler", "dpm"}
+    for batch in ("pndm", "ddim", "lms", "dpm"):
+        jobs = LORA_BATCHES[f"lora/sdxl/peft-{batch}"]
+        assert {(job["seed"], job["negative_prompt"]) for job in jobs} >= {(12, None), (12, "blurry")}
+
+
 @pytest.mark.parametrize("batch", sorted(LORA_BATCHES))
 def test_loras_match_diffusers_pytorch(batch: str) -> None:
     """A LoRA (UNet, convs and text encoders; PEFT and kohya files) merged at load at scale
-    0.7 renders what diffusers renders after load_lora_weights and fuse_lora(lora_scale=0.7)."""
+    0.7 renders what diffusers renders after load_lora_weights and fuse_lora(lora_scale=0.7),
+    on SDXL under every deterministic scheduler."""
     jobs = LORA_BATCHES[batch]
     lora = ((str(DATA / jobs[0]["lora"]), jobs[0]["lora_scale"]),)
     model = load_model(str(DATA / jobs[0]["model"]), loras=lora)

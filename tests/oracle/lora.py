@@ -15,6 +15,8 @@
     lora/<family>-deltas.safetensors   fused minus base weight, float32, of one tensor of each kind the LoRA
                                        changes (`_sample`), named `<component>.<tensor name in the model folder>`
     lora/<family>/<format>/<i>.png     the jobs of tests/oracle/pipelines.py's JOBS, euler, 4 steps, 64x64
+    lora/sdxl/peft-<scheduler>/<i>.png the PEFT LoRA on sdxl under every other deterministic scheduler (pndm,
+                                       ddim, lms, dpm): JOBS and SCHEDULER_JOBS, 4 steps, 64x64
     lora/jobs.json                     every job, with `lora` (relative to tests/data) and `lora_scale`
 
 Each format is loaded into a fresh pipeline with `load_lora_weights`, then `fuse_lora(lora_scale=0.7)`,
@@ -52,6 +54,7 @@ from safetensors.torch import save_file
 from tests.oracle.pipelines import (
     JOBS,
     NATIVE,
+    SCHEDULERS,
     STEPS,
     _save_png,
     job_record,
@@ -72,6 +75,14 @@ TEXT_ENCODERS = {"sd1": ("text_encoder",), "sdxl": ("text_encoder", "text_encode
 KOHYA_PREFIX = {"sd1": {"unet": "lora_unet_", "text_encoder": "lora_te_"},
                 "sdxl": {"unet": "lora_unet_", "text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}}
 SEED = {"sd1": 1000, "sdxl": 3000}
+# The LoRA under every deterministic scheduler (sdxl: its text encoders feed both the embeddings and the
+# pooled projection, and ddim clips nothing only where the config says so), with two more jobs: a prompt
+# with and without a negative one at a middling guidance.
+SCHEDULER_FAMILIES = ("sdxl",)
+SCHEDULER_JOBS: tuple[dict[str, Any], ...] = (
+    {"prompt": "a red fox in snow", "negative_prompt": None, "seed": 12, "guidance_scale": 5.0},
+    {"prompt": "a red fox in snow", "negative_prompt": "blurry", "seed": 12, "guidance_scale": 5.0},
+)
 
 
 # --------------------------------------------------------------------------------------------- the LoRA
@@ -226,6 +237,22 @@ def _render_format(folder: pathlib.Path, family: str, lora: pathlib.Path, compon
     return _weights(pipe, components), images
 
 
+def _render_schedulers(folder: pathlib.Path, family: str, lora: pathlib.Path, root: pathlib.Path) -> list[dict]:
+    """The PEFT file fused at LORA_SCALE under every deterministic scheduler but SCHEDULER (rendered above)."""
+    pipe = load(folder, family)
+    pipe.load_lora_weights(lora.parent, weight_name=lora.name)
+    pipe.fuse_lora(lora_scale=LORA_SCALE)
+    records = []
+    for scheduler in (name for name in SCHEDULERS if name != SCHEDULER):
+        batch = f"lora/{family}/peft-{scheduler}"
+        for index, job in enumerate(JOBS + SCHEDULER_JOBS):
+            _save_png(root.parent / batch / f"{index}.png", render(pipe, scheduler, job, *NATIVE))
+            records.append(job_record(batch, index, f"oracle/{family}/model", None, scheduler, job, STEPS, NATIVE,
+                                      f"{batch}/{index}.png", lora=f"lora/{family}/peft.safetensors",
+                                      lora_scale=LORA_SCALE))
+    return records
+
+
 def write_family(data: pathlib.Path, family: str) -> tuple[list[dict[str, Any]], str]:
     folder = data / "oracle" / family / "model"
     root = data / "lora"
@@ -271,6 +298,8 @@ def write_family(data: pathlib.Path, family: str) -> tuple[list[dict[str, Any]],
                           f"lora/{family}/{fmt}/{index}.png", lora=f"lora/{family}/{fmt}.safetensors",
                           lora_scale=LORA_SCALE)
                for fmt in FORMATS for index, job in enumerate(JOBS)]
+    if family in SCHEDULER_FAMILIES:
+        records += _render_schedulers(folder, family, root / family / "peft.safetensors", root)
     return records, f"lora/{family}-deltas.safetensors"
 
 
