@@ -21,7 +21,8 @@ from renderfarm.queue import TASK_NAME, job_message, priority_list, queue_name
 from tests.conftest import STEPS
 from tests.farm import WorkerProcess, farm_app, jobs, wait_done, wait_for
 from tests.redis_server import RedisServer, free_port
-from worker.metrics import PEAK_FLOPS, WorkerMetrics, peak_flops
+from worker.flops import PEAK_ENV
+from worker.metrics import WorkerMetrics
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -86,8 +87,14 @@ def test_a_taken_port_is_refused_clearly(redis_server: RedisServer, tiny_sd: Pat
     assert re.search(rf"metrics-port={port}: cannot be served .*its own port", worker.log.read_text())
 
 
-def test_peak_flops_and_the_fraction_of_peak() -> None:
-    assert peak_flops("TPU v5 lite") == PEAK_FLOPS["TPU v5 lite"] and peak_flops("cpu") is None
+def test_peak_flops_and_the_fraction_of_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fraction of peak comes from worker.flops' one table (GPUs too) or $RENDERFARM_PEAK_TFLOPS,
+    as the worker's log line does; a CPU has none."""
+    assert WorkerMetrics("cpu", 8).peak is None
+    assert WorkerMetrics("NVIDIA H100 80GB HBM3", 1).peak == pytest.approx(989e12)
+    monkeypatch.setenv(PEAK_ENV, "100")
+    assert WorkerMetrics("NVIDIA H100 80GB HBM3", 2).peak == pytest.approx(200e12)
+    monkeypatch.delenv(PEAK_ENV)
     metrics = WorkerMetrics("TPU v4", 8)
     metrics.rendered(jobs=8, slots=8, seconds=2.0, flops=8 * 275e12)  # half of 8 chips' peak for 2 s
     assert metrics.peak_fraction._value.get() == pytest.approx(0.5)

@@ -17,25 +17,11 @@ import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from renderfarm.queue import priority_lists
+from worker.flops import peak_flops
 
-# Peak dense bfloat16 FLOP/s per chip (public figures); a device kind not here (CPU) exports
-# no fraction of peak.
-PEAK_FLOPS = {
-    "TPU v4": 275e12,
-    "TPU v5 lite": 197e12,
-    "TPU v5e": 197e12,
-    "TPU v5p": 459e12,
-    "TPU v6 lite": 918e12,
-    "TPU v6e": 918e12,
-}
 FAILURE_REASONS = ("invalid", "render", "storage", "attempts")
 SECONDS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 WAITS = (1, 5, 15, 60, 300, 900, 3600, 4 * 3600, 24 * 3600)
-
-
-def peak_flops(device_kind: str) -> float | None:
-    """A device's peak FLOP/s, from its kind as JAX names it; None when unknown."""
-    return PEAK_FLOPS.get(device_kind)
 
 
 class WorkerMetrics:
@@ -43,7 +29,10 @@ class WorkerMetrics:
 
     def __init__(self, device_kind: str, devices: int) -> None:
         self.registry = r = CollectorRegistry()
-        self.peak = None if peak_flops(device_kind) is None else peak_flops(device_kind) * devices
+        # One peak for the log and Prometheus (worker.flops: the table or $RENDERFARM_PEAK_TFLOPS);
+        # a device kind it does not know (CPU) exports no fraction of peak.
+        peak = peak_flops(device_kind)
+        self.peak = None if peak is None else peak * devices
         self.images = Counter("renderfarm_images_rendered", "Images stored", ["campaign"], registry=r)
         self.failed = Counter("renderfarm_images_failed", "Jobs failed or retried, by reason", ["reason"],
                               registry=r)
