@@ -254,6 +254,7 @@ class Scan:
     first_bad: list[BadRow] = dataclasses.field(default_factory=list)
     jobs: int = 0
     stored: int = 0  # jobs whose results are already in storage (when it was looked at)
+    queued: int = 0  # jobs storage lacks that are open (a windowed campaign's queued or running)
     shapes: collections.Counter[ShapeKey] = dataclasses.field(default_factory=collections.Counter)
     ignored_columns: tuple[str, ...] = ()
 
@@ -311,8 +312,9 @@ def stored_job_ids(spec: CampaignSpec) -> set[str]:
     return {job_id for name in storage.list(f"{spec.name}/") if (job_id := sidecar_job_id(spec.name, name))}
 
 
-def scan_campaign(spec: CampaignSpec, stored: set[str] | None = None) -> Scan:
-    """The validating pass: counts rows, bad rows and jobs (and which are in `stored`)."""
+def scan_campaign(spec: CampaignSpec, stored: set[str] | None = None, open_ids: set[str] | None = None) -> Scan:
+    """The validating pass: counts rows, bad rows and jobs (and which are in `stored`, or else
+    in `open_ids`)."""
     scan = Scan()
 
     def finish(rows: int, reader: SourceReader | None) -> None:
@@ -325,6 +327,8 @@ def scan_campaign(spec: CampaignSpec, stored: set[str] | None = None) -> Scan:
         scan.shapes[(job.model, job.width, job.height, job.steps, sampler, job.guidance_scale > 1)] += 1
         if stored and job.job_id in stored:
             scan.stored += 1
+        elif open_ids and job.job_id in open_ids:
+            scan.queued += 1
     return scan
 
 
@@ -363,9 +367,7 @@ class CampaignRun:
             lines.append(f"  ... and {self.bad_rows - len(self.first_bad)} more bad rows "
                          "(`renderfarm campaign validate` lists the first ones; fix them and run again)")
         if self.submission is None:
-            lines.append(f"nothing to do: all {self.jobs} jobs already in storage" if not self.queued else
-                         f"nothing to submit: {self.already_done} jobs in storage, {self.queued} queued by "
-                         "an earlier run")
+            lines.append(f"nothing to do: all {self.jobs} jobs already in storage")
             return "\n".join(lines)
         if self.already_done:
             lines.append(f"{self.already_done} jobs already in storage, not submitted again")
@@ -397,17 +399,18 @@ def _run_windowed(spec: CampaignSpec, settings: Settings | None, strict: bool, p
     assert spec.window is not None
     with Feeder(spec.name, spec.window, settings) as feeder:  # before the listing: see Feeder
         stored = stored_job_ids(spec)
-        scan = _checked_scan(spec, stored, strict)
-        skip, queued = stored | feeder.queued, len(feeder.queued - stored)
-        todo = scan.jobs - scan.stored - queued
-        submission = feeder.feed((job for job in campaign_jobs(spec) if job.job_id not in skip), todo, queued,
-                                 started, progress) if todo else None
+        # Only the spec's own open jobs are queued for it: ids of rows edited out since are not.
+        scan = _checked_scan(spec, stored, strict, feeder.queued)
+        skip, todo = stored | feeder.queued, scan.jobs - scan.stored - scan.queued
+        # With nothing to send, a run still lifts a cancel and marks the campaign fed.
+        submission = feeder.feed((job for job in campaign_jobs(spec) if job.job_id not in skip), todo, scan.queued,
+                                 started, progress) if todo or scan.queued else None
     return CampaignRun(spec.name, scan.rows, scan.bad_rows, tuple(scan.first_bad), scan.jobs, scan.stored,
-                       submission, time.perf_counter() - started, queued)
+                       submission, time.perf_counter() - started, scan.queued)
 
 
-def _checked_scan(spec: CampaignSpec, stored: set[str], strict: bool) -> Scan:
-    scan = scan_campaign(spec, stored)
+def _checked_scan(spec: CampaignSpec, stored: set[str], strict: bool, open_ids: set[str] | None = None) -> Scan:
+    scan = scan_campaign(spec, stored, open_ids)
     if strict and scan.bad_rows:
         raise StrictError(spec, scan)
     if not scan.jobs:

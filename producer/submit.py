@@ -3,7 +3,8 @@
 Two streaming passes over the input keep memory flat in its size and enqueue nothing from a
 bad file: the first only validates, the second enqueues in chunks. A chunk costs a handful of
 Redis round trips, not one per job: which jobs are already done, the campaign bookkeeping,
-and the messages (one LPUSH per queue and priority). Building a message through Celery and
+and the messages (one LPUSH per queue and priority; a windowed campaign's bookkeeping and
+messages go in one atomic script, Progress.admit). Building a message through Celery and
 kombu for each job (`as_task_v2`, `send_task_message`, `Producer.publish`) cost most of a
 submit's time, so `_TaskMessages` builds one message per queue and priority with
 placeholders, and each job fills in its id, kwargs and delivery tag. The message keeps only
@@ -146,10 +147,16 @@ class _TaskMessages:
         return template
 
 
+def pushing(messages: list[dict[str, Any]]) -> None:
+    """Called with a chunk's messages just before they go to Redis: where tests stop a
+    feeder, or Redis, to show that a chunk is sent whole or not at all."""
+
+
 class _Enqueuer:
     """Sends chunks of validated jobs and counts what it did; remembers the (few) campaigns
     and queues it touched, never the jobs. `counted`: the jobs are a windowed campaign's
-    (renderfarm.progress), booked in its open set rather than per submission."""
+    (renderfarm.progress), booked in its open set as they are pushed rather than per
+    submission."""
 
     def __init__(self, app: Celery, producer: Producer, progress: Progress, counted: bool = False) -> None:
         self.app, self.producer, self.progress, self.counted = app, producer, progress, counted
@@ -167,7 +174,12 @@ class _Enqueuer:
             groups.setdefault((spec.campaign, str(message["queue"])), []).append(message)
         outgoing = [m for (campaign, queue), messages in groups.items()
                     for m in self._book(campaign, queue, messages)]
-        if outgoing:
+        if not outgoing:
+            return
+        pushing(outgoing)
+        if self.counted:
+            self._admit(outgoing)
+        else:
             self._publish(outgoing)
 
     def _book(self, campaign: str, queue: str, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -184,8 +196,7 @@ class _Enqueuer:
             self.queues[queue] = None
             self.producer.maybe_declare(self.app.amqp.queues[queue])  # the binding kombu writes
         if self.counted:
-            self.progress.admit(campaign, [m["task_id"] for m in messages], queue)
-            return messages
+            return messages  # booked as they are pushed (_admit)
         done = self.progress.done_among(campaign, [m["task_id"] for m in messages])
         todo = [m for m, is_done in zip(messages, done) if not is_done]
         self.already_done += len(messages) - len(todo)
@@ -209,14 +220,31 @@ class _Enqueuer:
             self.progress.submitted(campaign, [m["task_id"] for m in new], queue)
         return new
 
-    def _publish(self, messages: list[dict[str, Any]]) -> None:
-        """One LPUSH per list, in one round trip: the same lists, in the same order, as one
-        LPUSH per message. No retry: a failed write raises, and nothing is lost by submitting
-        again (done jobs are skipped, a job sent twice renders the same)."""
+    def _lists(self, messages: list[dict[str, Any]]) -> dict[str, list[str]]:
+        """The messages in stored form, by the Redis list each goes to."""
         lists: dict[str, list[str]] = {}
         for m in messages:
             name, stored = self.messages.render(m)
             lists.setdefault(name, []).append(stored)
+        return lists
+
+    def _admit(self, messages: list[dict[str, Any]]) -> None:
+        """A counted campaign's jobs recorded open and pushed in one atomic script a campaign
+        (Progress.admit), so a feeder that dies or loses Redis in between leaves no open job
+        without its message. No retry, as in _publish: a later run sends what is not open."""
+        by_campaign: dict[str, list[dict[str, Any]]] = {}
+        for m in messages:
+            by_campaign.setdefault(m["kwargs"]["campaign"], []).append(m)
+        for campaign, mine in by_campaign.items():
+            queues = list(dict.fromkeys(m["queue"] for m in mine))
+            self.progress.admit(campaign, [m["task_id"] for m in mine], queues, self._lists(mine))
+            self.enqueued += len(mine)
+
+    def _publish(self, messages: list[dict[str, Any]]) -> None:
+        """One LPUSH per list, in one round trip: the same lists, in the same order, as one
+        LPUSH per message. No retry: a failed write raises, and nothing is lost by submitting
+        again (done jobs are skipped, a job sent twice renders the same)."""
+        lists = self._lists(messages)
         with self.messages.channel.conn_or_acquire() as client, client.pipeline(transaction=False) as pipe:
             for name, stored_messages in lists.items():
                 pipe.lpush(name, *stored_messages)

@@ -7,8 +7,10 @@ The campaign is counted (renderfarm/progress.py): its open set holds the ids of 
 queued or running, and workers take a job out of it as they finish, fail or skip it. The
 feeder streams the jobs storage lacks, and sends a chunk once the open set has room for it.
 Resuming is running it again: a job storage holds is not submitted, one still open is not
-sent twice. One feeder per campaign (a lock, `rf:c:CAMPAIGN:feeder`, renewed while it runs and
-expiring if the feeder dies); feeders of different campaigns run side by side.
+sent twice, and a chunk is recorded open and pushed in one atomic step (Progress.admit), so
+no open job lacks its message whenever a run dies. One feeder per campaign (a lock,
+`rf:c:CAMPAIGN:feeder`, renewed while it runs and expiring if the feeder dies, renewed and
+freed only by its holder); feeders of different campaigns run side by side.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from tqdm import tqdm
 
 from producer.submit import CHUNK, Submission, WaitTimeout, _Enqueuer
 from renderfarm.jobs import JobError, JobSpec
-from renderfarm.progress import Progress, key
+from renderfarm.progress import RELEASE_LOCK, RENEW_LOCK, Progress, key
 from renderfarm.queue import make_app
 from renderfarm.settings import Settings
 
@@ -41,7 +43,9 @@ class FeederBusy(JobError):
 
 class _Lock:
     """The campaign's feeder lock, held by host:pid and renewed by a thread while the run
-    holds it (its scan of a large source takes longer than the lock lasts)."""
+    holds it (its scan of a large source takes longer than the lock lasts). Renewed and
+    released by compare-and-set scripts: a run that stalled past the lock's expiry never
+    extends or frees the lock of the run that took over."""
 
     def __init__(self, client: redis.Redis, campaign: str) -> None:
         self.client, self.campaign, self.name = client, campaign, key(campaign, "feeder")
@@ -50,6 +54,7 @@ class _Lock:
             holder = (client.get(self.name) or b"?").decode()
             raise FeederBusy("campaign", campaign, f"is being fed by another run ({holder}); one feeder per "
                              f"campaign (a run that died frees it within {LOCK_SECONDS} s)")
+        self._renew, self._release = client.register_script(RENEW_LOCK), client.register_script(RELEASE_LOCK)
         self.lost = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._keep, name=f"feeder-lock-{campaign}", daemon=True)
@@ -58,23 +63,24 @@ class _Lock:
     def _keep(self) -> None:
         while not self._stop.wait(LOCK_SECONDS / 6):
             try:
-                if self.client.get(self.name) != self.token.encode():
+                if not self._renew(keys=[self.name], args=[self.token, LOCK_SECONDS]):
                     self.lost = True
                     return
-                self.client.expire(self.name, LOCK_SECONDS)
             except redis.RedisError:
                 continue  # the broker away for a moment: the next round tries again
 
     def check(self) -> None:
         if self.lost:
-            raise FeederBusy("campaign", self.campaign, f"lost its feeder lock (Redis was out of reach for "
-                             f"{LOCK_SECONDS} s and another run took over)")
+            raise FeederBusy("campaign", self.campaign, f"lost its feeder lock (not renewed for {LOCK_SECONDS} s: "
+                             "Redis out of reach or the run stalled, and another run took over)")
 
     def release(self) -> None:
         self._stop.set()
         self._thread.join()
-        if self.client.get(self.name) == self.token.encode():
-            self.client.delete(self.name)
+        try:
+            self._release(keys=[self.name], args=[self.token])
+        except redis.RedisError:
+            pass  # out of reach: the lock expires within LOCK_SECONDS, and the run's own error goes on
 
 
 def check_window(window: object) -> int:
@@ -85,8 +91,9 @@ def check_window(window: object) -> int:
 
 class Feeder:
     """One run's hold on a counted campaign: its lock, and the ids of the jobs earlier runs left
-    open (queued or running), which this run leaves to the workers. Taken before storage is
-    listed, so a job finishing in between is either listed or left: never sent twice."""
+    open (queued or running), which this run leaves to the workers, with the done count at the
+    same moment. Taken before storage is listed, so a job finishing in between is either
+    listed or left: never sent twice."""
 
     def __init__(self, campaign: str, window: int, settings: Settings | None = None) -> None:
         self.campaign, self.window = campaign, check_window(window)
@@ -102,7 +109,11 @@ class Feeder:
         except BaseException:
             self.__exit__()
             raise
-        self.queued = {i.decode() for i in self.client.smembers(key(campaign, "open"))}
+        pipe = self.client.pipeline()  # a transaction: no job leaves the open set between the two
+        pipe.smembers(key(campaign, "open"))
+        pipe.hget(key(campaign, "counts"), "done")
+        open_jobs, done = pipe.execute()
+        self.queued, self.done = {i.decode() for i in open_jobs}, int(done or 0)
 
     def _check_kind(self) -> None:
         if not Progress(self.client).counted(self.campaign) and \
@@ -120,8 +131,10 @@ class Feeder:
     def feed(self, jobs: Iterable[JobSpec], todo: int, queued: int, started: float | None = None,
              progress: bool = True, poll: float = POLL_SECONDS) -> Submission:
         """Submit the campaign's validated jobs (`todo` of them: none stored or open; `queued`: the
-        campaign's open jobs storage lacks), keeping at most the window open. Returns when every
-        job is sent, or when the campaign is cancelled (the Submission says so)."""
+        campaign's jobs that are open and storage lacks, left to the workers), keeping at most
+        the window open. Lifts a cancel first, even with nothing to send, so the open jobs
+        render. Returns when every job is sent, or when the campaign is cancelled (the
+        Submission says so)."""
         started = time.perf_counter() if started is None else started
         campaign, window, client = self.campaign, self.window, self.client
         chunk_size = max(1, min(CHUNK, window // 2))  # room for one chunk opens while the other renders
@@ -129,7 +142,7 @@ class Feeder:
         with make_app(self.settings) as app, app.producer_or_acquire() as producer:
             enqueuer = _Enqueuer(app, producer, Progress(client), counted=True)
             enqueuer.already_queued = queued
-            self._start(todo + queued, enqueuer)
+            self._start(todo, enqueuer)
             stream = iter(jobs)
             with tqdm(total=todo, unit="job", desc=f"feeding {campaign} (window {window})",
                       disable=not progress) as bar:
@@ -143,14 +156,14 @@ class Feeder:
                 client.hset(key(campaign, "counts"), "fed", 1)
         return enqueuer.result(self.settings.broker_url, time.perf_counter() - started, window, stopped)
 
-    def _start(self, left: int, enqueuer: _Enqueuer) -> None:
-        """Mark the campaign counted, with this run's window and its total: the jobs done so far
-        and the `left` ones storage lacks."""
+    def _start(self, todo: int, enqueuer: _Enqueuer) -> None:
+        """Mark the campaign counted, with this run's window and its total: the jobs done, those
+        open (each ends done, failed or cancelled, whether the spec still has it or not) and
+        the `todo` ones this run sends."""
         client, campaign, state = self.client, self.campaign, enqueuer.progress
         counts = key(campaign, "counts")
-        done = int(client.hget(counts, "done") or 0)
         pipe = client.pipeline(transaction=False)
-        pipe.hset(counts, mapping={"window": self.window, "jobs": done + left})
+        pipe.hset(counts, mapping={"window": self.window, "jobs": self.done + len(self.queued) + todo})
         pipe.hdel(counts, "fed")
         pipe.execute()
         if state.is_cancelled(campaign):  # running it again resumes it, as without a window

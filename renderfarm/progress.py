@@ -3,8 +3,11 @@ cancelled. Sets of job ids, so a redelivered job is never counted twice.
 
 A campaign fed through a window (`campaign run --window N`, producer/window.py) is counted
 instead: it keeps the ids of its open jobs (queued or running, at most about N) and counts
-the rest, so its Redis memory is set by the window, not by its size. A job is newly done
-when it leaves the open set (lua/finish.lua). A campaign is one kind or the other for good.
+the rest, so its Redis memory is set by the window, not by its size. Its jobs are recorded
+open in the same atomic step that pushes their messages (lua/admit.lua), so an open job
+always has its message. A job is newly done when it leaves the open set, or the failed or cancelled
+records (lua/finish.lua). A campaign is one kind or the other for good. In both kinds a job
+counts once, in the state it ends in: done, failed or cancelled (lua/settle.lua).
 
 Keys (CAMPAIGN is validated by the job contract, so it cannot reach outside its prefix):
   rf:c:CAMPAIGN:submitted   set of job ids
@@ -22,8 +25,12 @@ Counted (windowed) campaigns have no submitted, done or submission sets; instead
   rf:c:CAMPAIGN:open        set of job ids queued or running
   rf:c:CAMPAIGN:counts      hash: window (marks the campaign counted), jobs (its total),
                             submitted, done, fed (1 once a run has submitted every job)
-  rf:c:CAMPAIGN:feeder      the feeding run's lock (host:pid), expiring unless renewed
+  rf:c:CAMPAIGN:feeder      the feeding run's lock (host:pid), expiring unless renewed;
+                            renewed or released only by its holder (lua/renew_lock.lua,
+                            lua/release_lock.lua, run by producer/window.py)
   rf:queues                 set of queue names producers have used
+  the queues' lists         kombu's priority lists (renderfarm/queue.py): `admit` pushes a
+                            counted campaign's messages onto them with its record
 """
 
 from __future__ import annotations
@@ -36,7 +43,14 @@ from typing import Any
 import redis
 
 QUEUES = "rf:queues"
-FINISH = (Path(__file__).parent / "lua" / "finish.lua").read_text()
+
+
+def _lua(name: str) -> str:
+    return (Path(__file__).parent / "lua" / name).read_text()
+
+
+FINISH, SETTLE, ADMIT = _lua("finish.lua"), _lua("settle.lua"), _lua("admit.lua")
+RENEW_LOCK, RELEASE_LOCK = _lua("renew_lock.lua"), _lua("release_lock.lua")  # the feeder's lock
 
 
 def key(campaign: str, what: str) -> str:
@@ -48,6 +62,8 @@ class Progress:
 
     def __init__(self, client: redis.Redis) -> None:
         self._finish = client.register_script(FINISH)
+        self._settle = client.register_script(SETTLE)
+        self._admit = client.register_script(ADMIT)
         self.r = client
 
     @classmethod
@@ -75,16 +91,17 @@ class Progress:
         """Whether the campaign is fed through a window (counts, not sets of ids)."""
         return bool(self.r.hexists(key(campaign, "counts"), "window"))
 
-    def admit(self, campaign: str, job_ids: list[str], queue: str) -> None:
-        """A counted campaign's jobs, about to be sent, into its open set (the feeder sends
-        only jobs that are neither stored nor open: producer/window.py)."""
-        self.restart(campaign, job_ids)
-        pipe = self.r.pipeline(transaction=False)
-        pipe.sadd(key(campaign, "open"), *job_ids)
-        pipe.hincrby(key(campaign, "counts"), "submitted", len(job_ids))
-        pipe.hsetnx(key(campaign, "times"), "first_submitted", time.time())
-        pipe.sadd(QUEUES, queue)
-        pipe.execute()
+    def admit(self, campaign: str, job_ids: list[str], queues: list[str], messages: dict[str, list[str]]) -> None:
+        """A counted campaign's jobs into its open set and their messages (stored form, by
+        Redis list) onto their queues, in one atomic script: a feeder that dies or loses Redis
+        leaves no open job without a message (the feeder sends only jobs that are neither
+        stored nor open: producer/window.py)."""
+        keys = [key(campaign, "open"), key(campaign, "counts"), key(campaign, "failed"),
+                key(campaign, "attempts"), key(campaign, "times"), QUEUES, *messages]
+        args = [time.time(), len(job_ids), *job_ids, len(queues), *queues]
+        for stored in messages.values():
+            args += [len(stored), *stored]
+        self._admit(keys=keys, args=args)
 
     def done_among(self, campaign: str, job_ids: list[str]) -> list[bool]:
         """Which of these jobs are already stored (a re-submission skips them)."""
@@ -154,31 +171,29 @@ class Progress:
         for campaign, ids in _by_campaign(jobs).items():
             pipe.srem(key(campaign, "running"), *ids)
             self._finish(keys=[key(campaign, "done"), key(campaign, "times"), key(campaign, "open"),
-                               key(campaign, "counts"), key(campaign, "attempts")],
+                               key(campaign, "counts"), key(campaign, "attempts"), key(campaign, "failed"),
+                               key(campaign, "cancelled")],
                          args=[x for job_id in ids for x in (job_id, repr(float(seconds[(campaign, job_id)])))],
                          client=pipe)
-            pipe.hdel(key(campaign, "failed"), *ids)
             pipe.hsetnx(key(campaign, "times"), "first_done", now)
             pipe.hset(key(campaign, "times"), "last_done", now)
         pipe.execute()
 
     def failed(self, campaign: str, job_id: str, reason: str) -> None:
-        pipe = self.r.pipeline(transaction=False)
-        pipe.srem(key(campaign, "running"), job_id)
-        pipe.srem(key(campaign, "open"), job_id)
-        pipe.hset(key(campaign, "failed"), job_id, reason)
-        pipe.execute()
+        self._settled(campaign, job_id, "failed", reason)
 
     def released(self, campaign: str, job_id: str) -> None:
         """The job goes back to the queue (it will be tried again)."""
         self.r.srem(key(campaign, "running"), job_id)
 
     def skipped(self, campaign: str, job_id: str) -> None:
-        pipe = self.r.pipeline(transaction=False)
-        pipe.srem(key(campaign, "running"), job_id)
-        pipe.srem(key(campaign, "open"), job_id)
-        pipe.sadd(key(campaign, "cancelled"), job_id)
-        pipe.execute()
+        self._settled(campaign, job_id, "cancelled")
+
+    def _settled(self, campaign: str, job_id: str, outcome: str, reason: str = "") -> None:
+        """Failed or skipped, unless done already: lua/settle.lua counts the job once."""
+        self._settle(keys=[key(campaign, what) for what in ("running", "open", "done", "failed", "cancelled",
+                                                             "counts")],
+                     args=[job_id, outcome, reason])
 
     # -- status --------------------------------------------------------------------
 

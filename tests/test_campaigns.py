@@ -1,13 +1,16 @@
 """Campaign runs against a real redis-server and a real `renderfarm worker` with the tiny
 model: bad rows and --strict, resume of a finished and of a cancelled campaign (every job
-stored exactly once), and the `renderfarm campaign` commands."""
+stored exactly once), and the `renderfarm campaign` commands; windowed campaigns, with a
+feeder killed or cut off from Redis as it sends a chunk, and its lock."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -16,8 +19,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
-from producer.campaigns import StrictError, campaign_jobs, load_spec, run_campaign
+import producer.window
+from producer.campaigns import CampaignSpec, StrictError, campaign_jobs, load_spec, run_campaign
 from producer.status import cancel_campaign
 from producer.window import FeederBusy
 from renderfarm.progress import Progress
@@ -26,7 +31,10 @@ from renderfarm.settings import Settings
 from renderfarm.storage import open_storage
 from tests.conftest import STEPS, Cli
 from tests.farm import WorkerProcess, farm_app, manifest_ids, wait_for
+from tests.fault_proxies import TcpProxy
 from tests.redis_server import RedisServer
+
+SUBMIT = importlib.import_module("producer.submit")  # `producer.submit` is also the package's function
 
 
 def queued(server: RedisServer, model: str) -> int:
@@ -313,7 +321,9 @@ def test_a_counted_campaign_tells_a_job_delivered_again_after_it_finished(redis_
     client.flushall()
     progress = Progress(client)
     client.hset("rf:c:counted:counts", "window", 10)
-    progress.admit("counted", ["a", "b"], "rf.q")
+    progress.admit("counted", ["a", "b"], ["rf.q"], {"rf.q": ["message a", "message b"]})
+    assert client.lrange("rf.q", 0, -1) == [b"message b", b"message a"]  # as LPUSH rf.q a b
+    client.delete("rf.q")
     assert progress.started([("counted", "a"), ("counted", "b")]) == [1, 1]
     progress.finished([("counted", "a")], [1.5])
     assert not client.hexists("rf:c:counted:attempts", "a")
@@ -327,8 +337,6 @@ def test_a_counted_campaign_tells_a_job_delivered_again_after_it_finished(redis_
 def test_the_feeder_lock_outlives_a_long_scan_and_goes_with_the_run(redis_server: RedisServer,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """A scan of a large source takes longer than the lock lasts: the lock is renewed meanwhile."""
-    import producer.window
-
     monkeypatch.setattr(producer.window, "LOCK_SECONDS", 1)
     client, settings = redis_server.client(), Settings(broker_url=redis_server.url)
     client.flushall()
@@ -340,3 +348,161 @@ def test_the_feeder_lock_outlives_a_long_scan_and_goes_with_the_run(redis_server
     assert not client.exists("rf:c:long:feeder")
     with producer.window.Feeder("long", 10, settings):  # free again
         pass
+
+
+def test_the_feeder_lock_is_renewed_and_released_only_by_its_holder(redis_server: RedisServer,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run that stalls past its lock's expiry, right after it looked at the lock, while another
+    run takes the lock over, neither frees nor extends the other run's lock."""
+    client, settings, name = redis_server.client(), Settings(broker_url=redis_server.url), "rf:c:stalled:feeder"
+    client.flushall()
+
+    def stall_after_its_next_lock_command(feeder: producer.window.Feeder) -> None:
+        send, stalls = feeder.client.execute_command, [True]
+
+        def command(*args: object, **options: object) -> object:
+            reply = send(*args, **options)
+            if name in args and stalls:
+                stalls.pop()
+                client.set(name, "another run", ex=100)  # the stalled run's lock expired; another took it
+            return reply
+        monkeypatch.setattr(feeder.client, "execute_command", command)
+
+    feeder = producer.window.Feeder("stalled", 10, settings)  # renews every 5 s: this releases first
+    stall_after_its_next_lock_command(feeder)
+    feeder.__exit__()
+    assert client.get(name) == b"another run"
+
+    client.flushall()
+    monkeypatch.setattr(producer.window, "LOCK_SECONDS", 1)  # renewed every 1/6 s
+    feeder = producer.window.Feeder("stalled", 10, settings)
+    stall_after_its_next_lock_command(feeder)
+    wait_for(lambda: feeder.lock.lost, 10, "the stalled run to find its lock lost")
+    assert client.get(name) == b"another run" and client.ttl(name) > 50  # not cut to the stalled run's 1 s
+    with pytest.raises(FeederBusy, match="lost its feeder lock"):
+        feeder.lock.check()
+    feeder.__exit__()
+    assert client.get(name) == b"another run"
+
+
+@pytest.mark.parametrize("window", [None, 10])
+def test_a_job_counts_once_in_the_state_it_ends_in(redis_server: RedisServer, window: int | None) -> None:
+    """Failed for good or skipped, then rendered after all (a requeued dead letter, a duplicate
+    delivery): done, and no longer failed or cancelled. Done, then failed or skipped (a
+    duplicate delivery): still done. With a window or without."""
+    client = redis_server.client()
+    client.flushall()
+    progress = Progress(client)
+    ids = ["a", "b", "c"]
+    if window is None:
+        progress.submitted("ends", ids, "rf.q")
+    else:
+        client.hset("rf:c:ends:counts", "window", window)
+        progress.admit("ends", ids, ["rf.q"], {"rf.q": ids})
+    progress.started(("ends", job_id) for job_id in ids)
+    progress.failed("ends", "a", "out of memory")
+    progress.skipped("ends", "b")
+    progress.finished([("ends", job_id) for job_id in ids], [1.0, 2.0, 4.0])
+    counts = lambda: {k: progress.status("ends")[k]  # noqa: E731
+                      for k in ("submitted", "queued", "running", "done", "failed", "cancelled", "device_seconds")}
+    ended = {"submitted": 3, "queued": 0, "running": 0, "done": 3, "failed": 0, "cancelled": 0, "device_seconds": 7.0}
+    assert counts() == ended
+    progress.failed("ends", "c", "a duplicate delivery failed")
+    progress.skipped("ends", "a")
+    assert counts() == ended
+
+
+def test_a_windowed_run_leaves_open_only_its_own_jobs_and_lifts_a_cancel_with_nothing_to_send(
+        broker: str, redis_server: RedisServer, tmp_path: Path) -> None:
+    """Rows edited out since the last run leave open ids that are not the spec's: the run still
+    sends the spec's jobs that are neither stored nor open. And a run with nothing to send but
+    open jobs lifts a cancel, so those render."""
+    settings, progress = Settings(broker_url=broker), Progress(redis_server.client())
+    (tmp_path / "rows.txt").write_text("a\nb\nc\nd\n")
+    spec = load_spec(write_spec(tmp_path, "edited", "some/model", "rows.txt", window=10))
+    assert run_campaign(spec, settings=settings).submitted == 4
+    (tmp_path / "rows.txt").write_text("a\nb\ne\nf\n")  # c and d edited out (e and f take their seeds)
+    run = run_campaign(spec, settings=settings)
+    assert (run.jobs, run.already_done, run.queued, run.submitted) == (4, 0, 2, 2)
+    assert queued(redis_server, "some/model") == 6
+    assert progress.status("edited")["jobs"] == 6  # c and d are rendered too: counted in the total
+
+    cancel_campaign("edited", broker)
+    run = run_campaign(spec, settings=settings)
+    assert (run.queued, run.submitted) == (4, 0)
+    assert not progress.is_cancelled("edited")
+    assert "campaign edited was cancelled: this submission lifted the cancel" in run.summary()
+    assert queued(redis_server, "some/model") == 6
+
+
+def submitted(server: RedisServer, campaign: str) -> int:
+    return int(server.client().hget(f"rf:c:{campaign}:counts", "submitted") or 0)
+
+
+def finishes_every_job_once(worker: dict, server: RedisServer, spec: CampaignSpec) -> None:
+    """Run the campaign again once the earlier run's lock is gone: every job is stored once."""
+    client, progress = server.client(), Progress(server.client())
+    wait_for(lambda: not client.exists(f"rf:c:{spec.name}:feeder"), 60, "the earlier run's lock to expire")
+    run_campaign(spec, settings=Settings(broker_url=server.url))
+    wait_for(lambda: progress.status(spec.name)["finished"], 240, "every job")
+    assert submitted(server, spec.name) == 8  # each job sent once
+    ids = manifest_ids(open_storage(str(worker["out"])), spec.name)
+    assert len(ids) == len(set(ids)) == 8 and set(ids) == {j.job_id for j in campaign_jobs(spec)}
+
+
+KILLED_FEEDER = """
+import importlib, os, signal, sys
+import producer.window
+from renderfarm_cli import main
+
+producer.window.LOCK_SECONDS = 1  # the killed run's lock expires a second later
+chunks = []
+
+def pushing(messages):
+    chunks.append(messages)
+    if len(chunks) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+importlib.import_module("producer.submit").pushing = pushing
+main(sys.argv[1:])
+"""
+
+
+def test_a_feeder_killed_as_it_sends_a_chunk_leaves_no_open_job_without_its_message(
+        worker: dict, redis_server: RedisServer, tmp_path: Path) -> None:
+    """Killed as it sends its second chunk (window 4, chunks of 2): that chunk is neither
+    recorded open nor pushed, so a run again sends it and the campaign finishes."""
+    redis_server.client().flushall()
+    path = write_worker_spec(tmp_path, worker, "killed", 4)  # 8 jobs
+    feeder = subprocess.run([sys.executable, "-c", KILLED_FEEDER, "campaign", "run", str(path), "--window", "4",
+                             "--broker", redis_server.url], capture_output=True, text=True, timeout=120)
+    assert feeder.returncode == -signal.SIGKILL, feeder.stderr[-2000:]
+    assert submitted(redis_server, "killed") == 2  # the first chunk only
+    finishes_every_job_once(worker, redis_server, dataclasses.replace(load_spec(path), window=4))
+
+
+def test_redis_failing_as_a_feeder_sends_a_chunk_leaves_no_open_job_without_its_message(
+        worker: dict, redis_server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The feeder's Redis goes away as it sends its second chunk: the run fails, that chunk is
+    neither recorded open nor pushed, and a run again sends it."""
+    redis_server.client().flushall()
+    spec = dataclasses.replace(load_spec(write_worker_spec(tmp_path, worker, "lost", 4)), window=4)  # 8 jobs
+    proxy = TcpProxy(redis_server.port)
+    chunks: list = []
+
+    def pushing(messages: list) -> None:
+        chunks.append(messages)
+        if len(chunks) == 2:  # every connection of the feeder dropped, and no new one taken (a listener
+            proxy._listener.shutdown(socket.SHUT_RDWR)  # closed while a thread waits in accept takes them)
+            proxy.close()
+
+    monkeypatch.setattr(SUBMIT, "pushing", pushing)
+    monkeypatch.setattr(producer.window, "LOCK_SECONDS", 1)  # the lock it cannot release expires soon
+    try:
+        with pytest.raises(redis.ConnectionError):
+            run_campaign(spec, settings=Settings(broker_url=proxy.url()))
+    finally:
+        proxy.close()
+    assert submitted(redis_server, "lost") == 2  # the first chunk only
+    monkeypatch.undo()
+    finishes_every_job_once(worker, redis_server, spec)

@@ -1,24 +1,28 @@
 -- Mark a campaign's jobs done and add each newly done job's device-seconds to the campaign's
 -- total, atomically: a job finished twice (a redelivery after its result was stored) counts
--- once. A campaign fed through a window (its counts hash has a window) keeps no done set:
--- a job is newly done when it leaves the open set, and the done count goes up; its
--- attempts are forgotten (renderfarm/progress.py's `started` knows such a job is not new).
+-- once. A done job is no longer failed or cancelled (one failed for good or skipped, then
+-- rendered after all: a requeued dead letter, a duplicate delivery), so it counts once, as
+-- done. A campaign fed through a window (its counts hash has a window) keeps no done set:
+-- a job is newly done when it leaves the open set, the failed hash or the cancelled set, and
+-- the done count goes up; its attempts are forgotten (renderfarm/progress.py's `started`
+-- knows such a job is not new).
 -- KEYS[1]: the campaign's done set; KEYS[2]: its times hash (field device_seconds);
 -- KEYS[3]: its open set; KEYS[4]: its counts hash (fields window, done); KEYS[5]: its
--- attempts hash
+-- attempts hash; KEYS[6]: its failed hash; KEYS[7]: its cancelled set
 -- ARGV: job id, device-seconds, job id, device-seconds, ...
 -- Returns the device-seconds added, as a string (Lua numbers would be cut to integers).
 local counted = redis.call('HEXISTS', KEYS[4], 'window') == 1
 local added, newly = 0, 0
 for i = 1, #ARGV, 2 do
+  local ended = redis.call('HDEL', KEYS[6], ARGV[i]) + redis.call('SREM', KEYS[7], ARGV[i])
   local new
   if counted then
-    new = redis.call('SREM', KEYS[3], ARGV[i])
+    new = redis.call('SREM', KEYS[3], ARGV[i]) + ended
     redis.call('HDEL', KEYS[5], ARGV[i])
   else
     new = redis.call('SADD', KEYS[1], ARGV[i])
   end
-  if new == 1 then
+  if new > 0 then
     added = added + tonumber(ARGV[i + 1])
     newly = newly + 1
   end

@@ -1,0 +1,28 @@
+-- A job that ends without being done, failed for good (ARGV[2] 'failed', with its reason) or
+-- skipped because its campaign was cancelled ('cancelled'), atomically: it leaves the running
+-- and open sets and the other of the two, so it counts once, in the state it ends in. A job
+-- already done stays done (a duplicate delivery failed or skipped after another stored it):
+-- a campaign fed through a window keeps no done set, so there a job that was neither open,
+-- failed nor cancelled is taken as done.
+-- KEYS[1]: the campaign's running set; KEYS[2]: its open set; KEYS[3]: its done set;
+-- KEYS[4]: its failed hash; KEYS[5]: its cancelled set; KEYS[6]: its counts hash (field window)
+-- ARGV: job id, 'failed' or 'cancelled', reason
+-- Returns 1 if the job was recorded so, 0 if it is done.
+local id = ARGV[1]
+redis.call('SREM', KEYS[1], id)
+local was = redis.call('HDEL', KEYS[4], id) + redis.call('SREM', KEYS[5], id)
+local done
+if redis.call('HEXISTS', KEYS[6], 'window') == 1 then
+  done = redis.call('SREM', KEYS[2], id) + was == 0
+else
+  done = redis.call('SISMEMBER', KEYS[3], id) == 1
+end
+if done then
+  return 0
+end
+if ARGV[2] == 'failed' then
+  redis.call('HSET', KEYS[4], id, ARGV[3])
+else
+  redis.call('SADD', KEYS[5], id)
+end
+return 1
