@@ -183,6 +183,52 @@ def test_rejected_message_is_requeued_and_delivered_again(broker: str, redis_ser
     assert received[1].delivery_info["redelivered"]
 
 
+def publish_with_tag(url: str, r: redis.Redis, message: str, tag: str) -> None:
+    """A render-task message whose delivery tag is `tag`: a producer chooses its own (stock kombu
+    records a message under it)."""
+    publish(url, [(message, None)])
+    key = next(k for k in r.scan_iter(f"{QUEUE.name}*") if r.type(k) == b"list" and r.llen(k))
+    payload = json.loads(r.lindex(key, 0))
+    payload["properties"]["delivery_tag"] = tag
+    r.lset(key, 0, json.dumps(payload))
+
+
+@pytest.mark.parametrize("pops", ["in one pop", "one held, the others popped later"])
+def test_messages_with_the_same_delivery_tag_are_held_acked_and_restored_apart(
+        broker: str, redis_server: RedisServer, pops: str) -> None:
+    """A pushed message may carry the tag of one held unacked: it is recorded under a fresh tag
+    of its own, so none overwrites another's record, and each is acked or put back alone."""
+    r = redis_server.client()
+    received: list[Any] = []
+    with connect(broker) as conn, conn.Consumer(QUEUE, callbacks=[lambda _, m: received.append(m)]) as consumer:
+        publish_with_tag(broker, r, "a", "same")
+        if pops != "in one pop":
+            drain(conn, lambda: len(received) == 1, 5)
+        publish_with_tag(broker, r, "b", "same")
+        publish_with_tag(broker, r, "c", "same")
+        drain(conn, lambda: len(received) == 3, 5)
+        a, b, c = sorted(received, key=name)
+        assert [name(m) for m in (a, b, c)] == ["a", "b", "c"] and queued(r) == 0
+        assert a.delivery_tag == "same" and len({a.delivery_tag, b.delivery_tag, c.delivery_tag}) == 3
+        for message in (a, b, c):  # each recorded under its own tag: the message as it was queued
+            record = json.loads(r.hget("unacked", message.delivery_tag))
+            assert record[0]["properties"]["delivery_tag"] == "same" and record[0]["headers"]["id"] == name(message)
+            assert r.zscore("unacked_index", message.delivery_tag) is not None
+        assert r.hlen("unacked") == r.zcard("unacked_index") == 3
+        a.ack()
+        c.ack()
+        consumer.channel.qos.flush_acks()
+        assert r.hkeys("unacked") == [b.delivery_tag.encode()]
+        b.reject(requeue=True)
+        assert r.hlen("unacked") == 0 and queued(r) == 1
+        drain(conn, lambda: len(received) == 4, 5)
+        again = received[3]
+        assert name(again) == "b" and again.delivery_info["redelivered"] and again.delivery_tag == "same"
+        again.ack()
+        consumer.channel.qos.flush_acks()
+    assert r.hlen("unacked") == r.zcard("unacked_index") == queued(r) == 0
+
+
 def test_items_that_are_not_job_messages_are_dead_lettered_and_the_rest_delivered(
         broker: str, redis_server: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
     r = redis_server.client()

@@ -151,6 +151,20 @@ def test_kohya_alphas_are_honoured(tmp_path: Path) -> None:
     np.testing.assert_allclose(te[q_proj] * 5 / 3, base["text_encoder"][q_proj], rtol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.int16, np.int8, np.uint64, np.uint32, np.uint16, np.uint8,
+                                   np.float16, np.float64])
+def test_kohya_alphas_of_any_integer_or_float_dtype_are_read(tmp_path: Path, dtype: type) -> None:
+    """diffusers' `convert_state_dict_to_kohya` writes each alpha as an int64 scalar (`torch.tensor(rank)`), and
+    diffusers loads such files: the same alphas in any integer or float dtype give the float32 file's deltas."""
+    raw = load_file(lora_path("sdxl", "kohya"))
+    alphas = {k: v for k, v in raw.items() if k.endswith(".alpha")}
+    assert {float(v) for v in alphas.values()} == {1.0, 2.0, 3.0, 5.0}  # whole numbers: exact in every dtype
+    path = tmp_path / "converted.safetensors"
+    save_file({**raw, **{k: np.array(int(v), dtype) for k, v in alphas.items()}}, path)
+    assert {v.dtype for k, v in load_file(path).items() if k.endswith(".alpha")} == {np.dtype(dtype)}
+    assert_same(deltas(path, "sdxl"), deltas(lora_path("sdxl", "kohya"), "sdxl"), atol=0)
+
+
 def test_peft_alphas_come_from_the_lora_config_in_the_header(tmp_path: Path) -> None:
     with safe_open(lora_path("sd1", "peft"), "np") as f:
         config = json.loads(f.metadata()["lora_adapter_metadata"])
@@ -317,7 +331,12 @@ def test_a_pickle_is_refused_without_being_opened(tmp_path: Path, suffix: str) -
      r"'lora_unet_conv_in\.alpha'=0\.0: alpha must be a finite non-zero number"),
     (lambda t: {**t, "lora_unet_conv_in.alpha": np.array(np.nan, np.float32)}, r"alpha must be a finite non-zero"),
     (lambda t: {**t, "lora_unet_conv_in.alpha": np.ones(2, np.float32)}, r"has shape \[2\], not a single number"),
-    (lambda t: {**t, "lora_unet_conv_in.alpha": np.array(4, np.int64)}, r"has dtype I64; LoRA tensors must be"),
+    (lambda t: {**t, "lora_unet_conv_in.alpha": np.array([4, 4], np.int64)}, r"has shape \[2\], not a single number"),
+    (lambda t: {**t, "lora_unet_conv_in.alpha": np.array(0, np.int64)}, r"\.alpha'=0: alpha must be a finite non-zero"),
+    (lambda t: {**t, "lora_unet_conv_in.alpha": np.array(True)},
+     r"'lora_unet_conv_in\.alpha' has dtype BOOL; an alpha must be an integer or float number \(F64, .*, U64\)"),
+    (lambda t: {**t, "lora_unet_conv_in.lora_up.weight": t["lora_unet_conv_in.lora_up.weight"].astype(np.int32)},
+     r"'lora_unet_conv_in\.lora_up\.weight' has dtype I32; LoRA factors must be F32, F16, BF16 or F64"),
 ])
 def test_a_broken_kohya_file_is_refused(tmp_path: Path, change, rule: str) -> None:
     with pytest.raises(WeightsError, match=rule):

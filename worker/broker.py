@@ -8,6 +8,11 @@ several at a time, and less Redis work per message for a worker that acks in bat
   so a message is always either in its queue or in the unacked hash, from where kombu's
   restore brings it back after the visibility timeout. One round trip per batch of messages
   instead of two per message.
+- Tags: stock kombu records a message under the delivery tag it carries, so a message pushed
+  with the tag of one held unacked overwrites that one's record, which is then never
+  restored. The pop script gives such a message a fresh tag (`TAG#TIME.N`) and the message
+  is delivered with it, so every held message has a record of its own, acknowledged or
+  restored on its own.
 - Waiting: a script cannot block. After an empty reply the next EVAL is pipelined behind
   `BLMOVE list list RIGHT RIGHT wait` on the list jobs without a priority land on
   (renderfarm.queue.redis_priority): a server-side wait that leaves the list as it is and
@@ -206,8 +211,9 @@ class Channel(redis.Channel):
             self._refused_until = time.monotonic() + self._idle_wait
 
     def _deliver_popped(self, key: str, item: bytes, tag: str) -> None:
-        """Hand one popped message to its consumer once worker.envelope has passed it; one
-        it rejects is acknowledged and dead-lettered with the reason, in one transaction."""
+        """Hand one popped message to its consumer, under the tag the pop script recorded it
+        by, once worker.envelope has passed it; one it rejects is acknowledged and
+        dead-lettered with the reason, in one transaction."""
         queue = key.rsplit(self.sep, 1)[0]
         try:
             payload = open_envelope(item)
@@ -220,6 +226,8 @@ class Channel(redis.Channel):
             pipe.execute()
             self.qos.prerecorded.discard(tag)
             return
+        if tag:
+            payload["properties"]["delivery_tag"] = tag
         self._queue_cycle.rotate(queue)
         self.connection._deliver(payload, queue)
 

@@ -33,7 +33,8 @@ module's), and a diffusers file's `.alpha` tensors count (diffusers refuses the 
 CLIP modules match with or without the `text_model.` prefix (transformers 5 dropped it from CLIPTextModel,
 so diffusers' LoRAs of today lack it and older ones and kohya's have it). Nothing is trusted before it
 fits: the header is checked by worker.weights.read_header; every key must be understood, every down have
-its up of the same rank, every alpha be a finite non-zero number; then `Lora.fit` places each module on a
+its up of the same rank, every alpha be one finite non-zero number of any integer or float dtype
+(diffusers' `convert_state_dict_to_kohya` writes int64 ones); then `Lora.fit` places each module on a
 weight of the model with its shape, or refuses naming the keys that do not fit. Pickle files (.ckpt,
 .pt, .bin, .pth) are refused by name, never opened.
 """
@@ -78,6 +79,10 @@ PEFT_DEFAULT_ALPHA = 8  # LoraConfig's lora_alpha when a saved config leaves it 
 # LoraConfig options that change what merging means; refused when on.
 _UNSUPPORTED_OPTIONS = ("use_dora", "lora_bias", "fan_in_fan_out", "layer_replication")
 _PATTERN = re.compile(r"\^?[A-Za-z0-9_.]+")  # alpha_pattern keys evaluated: module names, optionally anchored
+# An alpha tensor's dtypes: the factors' floats, and every integer one (diffusers writes kohya alphas as int64).
+_ALPHA_DTYPES = {**{name: d.numpy for name, d in ST_DTYPES.items() if d.numpy is not None},
+                 **{f"{kind}{bits}": np.dtype(f"<{kind.lower()}{bits // 8}")
+                    for kind in "IU" for bits in (8, 16, 32, 64)}}
 
 # The original SGM UNet's names of diffusers' adaptable modules outside the down/up blocks, of the middle
 # block's parts, and of the ResNets' layers (diffusers' `_convert_unet_lora_key`, read backwards).
@@ -311,6 +316,17 @@ def _alpha(path: Path, where: str, value: Any) -> float:
     return float(value)
 
 
+def _alpha_tensor(path: Path, data: mmap.mmap, key: str, info: TensorInfo) -> float:
+    """A `.alpha` tensor's one number, read here: read_tensor reads float weights only, and an alpha may be an
+    integer."""
+    if info.dtype not in _ALPHA_DTYPES:
+        raise WeightsError(path, f"tensor {shown(key)} has dtype {info.dtype}; an alpha must be an integer or float "
+                                 f"number ({', '.join(_ALPHA_DTYPES)})")
+    if math.prod(info.shape) != 1:
+        raise WeightsError(path, f"{shown(key)} has shape {list(info.shape)}, not a single number")
+    return _alpha(path, shown(key), np.frombuffer(data, _ALPHA_DTYPES[info.dtype], 1, info.start)[0].item())
+
+
 def _config_alpha(path: Path, component: str, module: str, config: Mapping[str, Any]) -> float:
     """PEFT's alpha of `module`: the first alpha_pattern key that names it (as `(.*\\.)?(key)$`), else
     lora_alpha."""
@@ -326,9 +342,9 @@ def _module(path: Path, data: mmap.mmap, tensors: Mapping[str, TensorInfo], comp
     missing = [role for role in ("down", "up") if role not in roles]
     if missing:
         raise WeightsError(path, f"{shown(next(iter(roles.values())))} has no {' or '.join(missing)} factor")
-    for key in roles.values():
+    for key in (roles[role] for role in ("down", "up")):
         if ST_DTYPES[tensors[key].dtype].numpy is None:
-            raise WeightsError(path, f"tensor {shown(key)} has dtype {tensors[key].dtype}; LoRA tensors must be "
+            raise WeightsError(path, f"tensor {shown(key)} has dtype {tensors[key].dtype}; LoRA factors must be "
                                      "F32, F16, BF16 or F64")
     down, up = (read_tensor(data, tensors[roles[role]], None, np.dtype(np.float32)) for role in ("down", "up"))
     key = roles["down"]
@@ -338,10 +354,7 @@ def _module(path: Path, data: mmap.mmap, tensors: Mapping[str, TensorInfo], comp
                                  "LoRA pair: down (rank, in[, kh, kw]), up (out, rank[, 1, 1])")
     alpha = None
     if "alpha" in roles:
-        value = read_tensor(data, tensors[roles["alpha"]], None, np.dtype(np.float64))
-        if value.size != 1:
-            raise WeightsError(path, f"{shown(roles['alpha'])} has shape {list(value.shape)}, not a single number")
-        alpha = _alpha(path, shown(roles["alpha"]), float(value.reshape(())))
+        alpha = _alpha_tensor(path, data, roles["alpha"], tensors[roles["alpha"]])
     dotted = ".".join(part for part in module.split(".") if part != "processor")
     if fmt == "kohya":
         names: tuple[str, ...] = (module,)
