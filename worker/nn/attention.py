@@ -2,64 +2,116 @@
 
 Every attention in worker/nn (the UNet's self- and cross-attention, the VAE's mid-block
 attention, CLIP's causal self-attention) projects q, k and v itself and calls `attention`
-here, so the head layout and the kernel are chosen once for all of them. Softmax runs in
-float32 whatever the compute dtype, as PyTorch's `upcast_attention` / `upcast_softmax` and
-transformers' CLIP do.
+here, so the kernel is chosen once for all of them, per backend and shape, by `choose`.
+Softmax runs in float32 whatever the compute dtype, as PyTorch's `upcast_attention` /
+`upcast_softmax` and transformers' CLIP do (cuDNN and splash do so inside their kernels).
 
-Head layouts (`LAYOUTS`), numerically the same (float32 sums in another order):
-- "heads": q, k, v reshaped to (B, T, N, H) and handed to `jax.nn.dot_product_attention`;
-- "batch": heads folded into the batch, (B*N, T, H), and two batched matmuls, as diffusers'
-  Flax attention does by default;
-- "split": diffusers' `split_head_dim` variant, einsums on (B, T, N, H) as they are.
-On accelerators attention goes through `jax.nn.dot_product_attention` ("heads"), the entry
-point where XLA's and vendors' fused kernels are chosen (cuDNN flash attention on GPUs). On
-XLA:CPU it copies the (T, S) score matrix to transpose it, and "batch" is faster there:
-bench/modules.py, ms per UNet call (tiny SD / SDXL, batch 16, 32x32 latents, 2-core CPU):
-heads 177 / 183, batch 163 / 164, split 296 / 277, diffusers' Flax UNet 177 / 173; handing it
-the folded heads as (B*N, T, 1, H) does not help (26 ms against 7 ms for "batch" at 16 x 4
-heads x 256 tokens). So the default is "batch" on a CPU and "heads" elsewhere
-(`default_layout`); run the benchmark on a new backend and change that one function if the
-figures say so.
-The layout is read when a function is traced: `with use_layout("heads"): jax.jit(f)(...)`
-with a fresh `f` per layout (jit caches traces per function, not per layout).
+Kernels (`KERNELS`):
+- the XLA head layouts (`LAYOUTS`), numerically the same (float32 sums in another order):
+  "heads": `jax.nn.dot_product_attention(implementation="xla")` on (B, T, N, H); "batch":
+  heads folded into the batch, (B*N, T, H), two batched matmuls, as diffusers' Flax attention
+  does by default; "split": diffusers' `split_head_dim` variant, einsums on (B, T, N, H);
+- "chunked": query chunks one after another (`lax.map`), each against all keys, so the
+  whole (N, T, S) score matrix of an image never exists at once;
+- "cudnn": cuDNN flash attention, `jax.nn.dot_product_attention(implementation="cudnn")`
+  (CUDA GPUs, float16 / bfloat16 only);
+- "splash": the Pallas TPU splash-attention kernel, on (B, N, T, H) padded to its blocks.
 
-TPU: `jax.nn.dot_product_attention(..., implementation=None)` lowers to plain XLA there
-(its "cudnn" implementation is GPU only). A Pallas flash-attention kernel,
-`jax.experimental.pallas.ops.tpu.flash_attention.flash_attention(q, k, v, causal=...,
-sm_scale=H ** -0.5)` on (B, N, T, H) arrays, would plug in here as one more layout,
-transposing from the (B, T, N, H) split; its blocks want sequence lengths in multiples of
-128, so the 77-token cross-attention would pad k, v and mask the padding (segment_ids).
-Nothing outside this file would change.
+The rule (`choose`), GPU and TPU figures unmeasured (no device where it was written):
+- CPU: "batch" everywhere. bench/modules.py, ms per UNet call (tiny SD / SDXL, batch 16,
+  32x32 latents, 2-core CPU): heads 177 / 183, batch 163 / 164, split 296 / 277, diffusers'
+  Flax UNet 177 / 173 ("heads" copies the (T, S) scores to transpose them on XLA:CPU).
+  The CPU pixels in tests/test_reference.py are this path's.
+- CUDA: "cudnn" wherever `cudnn_accepts` (the checks of jax/_src/cudnn/
+  fused_attention_stablehlo.py, head dim capped at 128 as before Hopper): every UNet and
+  CLIP attention of a float16 / bfloat16 job except SD 1.x's 160-wide heads.
+- TPU: "splash" for 128 queries or more (`SPLASH_MIN_QUERIES`): every UNet self- and
+  cross-attention down to 256 tokens, and the VAE's. Its blocks are 128-multiples, so the
+  77 text keys are padded to 128 and masked (segment ids), head dims padded with zeros to a
+  multiple of 128 (q scaled by the true 1/sqrt(H) first), and queries to a block multiple;
+  below 128 queries (the 64-token UNet level, CLIP's 77) padding would at least double the
+  work of a few tiles, and XLA keeps them.
+- Elsewhere (float32 on a GPU, heads wider than cuDNN takes, the VAE's one 512-wide head
+  on a GPU, TPU sequences under 128 queries, other backends): "heads" while one image's
+  scores, N*T*S float32, fit in `CHUNK_SCORES` (2**24, 64 MiB), where one matmul beats a
+  loop; "chunked" beyond, in chunks of that size: SD's VAE at 1024x1024 (16,384 tokens)
+  would hold 1 GiB of scores per image, a float32 4096-token UNet self-attention 512 MiB.
+  Whether "batch" beats "heads" off the CPU too is for bench/modules.py on the device.
+
+`with use_kernel(name): jax.jit(f)(...)` forces a kernel (benchmarks, tests); it is read
+when a function is traced, so use a fresh `f` per kernel (jit caches traces per function).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
+import jax.extend.backend
 import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
-LAYOUTS = ("heads", "batch", "split")
-_layout: contextvars.ContextVar[str | None] = contextvars.ContextVar("attention_layout", default=None)
+LAYOUTS = ("heads", "batch", "split")  # the XLA paths, which run on every backend
+KERNELS = (*LAYOUTS, "chunked", "cudnn", "splash")
+CHUNK_SCORES = 2 ** 24  # float32 scores per image (64 MiB) beyond which "chunked" replaces "heads"
+SPLASH_MIN_QUERIES = 128  # splash's smallest block
+SPLASH_BLOCK = 512  # splash's query and key blocks where the sequences are that long
+CUDNN_MAX_HEAD_DIM = 128  # jax allows 256 on Hopper and later; the rule may not know the GPU
+
+_kernel: contextvars.ContextVar[str | None] = contextvars.ContextVar("attention_kernel", default=None)
+
+
+def current_backend() -> str:
+    """The backend attention is traced for: "cpu", "tpu", "cuda", "rocm", ... (cuDNN is CUDA's)."""
+    backend = jax.default_backend()
+    if backend == "gpu":
+        return "rocm" if "rocm" in jax.extend.backend.get_backend().platform_version else "cuda"
+    return backend
+
+
+def cudnn_accepts(q_shape: Sequence[int], k_shape: Sequence[int], dtype: jnp.dtype, causal: bool) -> bool:
+    """Whether cuDNN flash attention takes q (B, T, N, H) over k, v (B, S, N, H): jax's checks
+    (float16 / bfloat16, same batch and head dim, head dim a multiple of 8 and at most 128),
+    and causal only for self-attention (its diagonal then needs no convention)."""
+    (b, t, _, h), (bk, s, _, hk) = q_shape, k_shape
+    return (jnp.dtype(dtype) in (jnp.float16, jnp.bfloat16) and b == bk and h == hk
+            and h % 8 == 0 and h <= CUDNN_MAX_HEAD_DIM and (not causal or t == s))
+
+
+def choose(backend: str, q_shape: Sequence[int], k_shape: Sequence[int], dtype: jnp.dtype, causal: bool) -> str:
+    """The kernel (one of `KERNELS`) for q (B, T, N, H) over k, v (B, S, N, H) on `backend`
+    (as `current_backend` names it); the rule is in the module docstring."""
+    if backend == "cpu":
+        return "batch"
+    if backend == "cuda" and cudnn_accepts(q_shape, k_shape, dtype, causal):
+        return "cudnn"
+    _, t, n, _ = q_shape
+    if backend == "tpu" and t >= SPLASH_MIN_QUERIES:
+        return "splash"
+    return "chunked" if n * t * k_shape[1] > CHUNK_SCORES else "heads"
 
 
 def default_layout() -> str:
-    """The fastest measured layout on the backend attention is traced for (see above)."""
-    return "batch" if jax.default_backend() == "cpu" else "heads"
+    """The XLA layout `choose` takes on this backend where no kernel applies (bench/modules.py)."""
+    return "batch" if current_backend() == "cpu" else "heads"
 
 
 @contextlib.contextmanager
-def use_layout(name: str) -> Iterator[None]:
-    """Trace attention with head layout `name` inside the block (benchmarks, tests)."""
-    if name not in LAYOUTS:
-        raise ValueError(f"attention layout {name!r}: must be one of {LAYOUTS}")
-    token = _layout.set(name)
+def use_kernel(name: str) -> Iterator[None]:
+    """Trace attention with kernel `name` inside the block, whatever `choose` says."""
+    if name not in KERNELS:
+        raise ValueError(f"attention kernel {name!r}: must be one of {KERNELS}")
+    token = _kernel.set(name)
     try:
         yield
     finally:
-        _layout.reset(token)
+        _kernel.reset(token)
+
+
+use_layout = use_kernel  # its name when it chose among LAYOUTS only (bench/modules.py, tests)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, heads: int, causal: bool = False) -> jax.Array:
@@ -68,14 +120,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, heads: int, causal: bool
     b, t, inner = q.shape
     split = lambda x: x.reshape(x.shape[0], x.shape[1], heads, inner // heads)  # noqa: E731
     q, k, v = split(q), split(k), split(v)
-    layout = _layout.get() or default_layout()
-    if layout == "heads":
-        out = jax.nn.dot_product_attention(q, k, v, is_causal=causal)
-    elif layout == "batch":
-        out = _folded_attention(q, k, v, causal)
-    else:
-        out = _split_attention(q, k, v, causal)
-    return out.reshape(b, t, inner)
+    kernel = _kernel.get() or choose(current_backend(), q.shape, k.shape, q.dtype, causal)
+    return _IMPLEMENTATIONS[kernel](q, k, v, causal).reshape(b, t, inner)
 
 
 def _scores_softmax(scores: jax.Array, scale: float, causal: bool, dtype: jnp.dtype) -> jax.Array:
@@ -86,6 +132,11 @@ def _scores_softmax(scores: jax.Array, scale: float, causal: bool, dtype: jnp.dt
         t, s = scores.shape[-2:]
         scores = jnp.where(jnp.tril(jnp.ones((t, s), bool)), scores, jnp.finfo(jnp.float32).min)
     return jax.nn.softmax(scores, axis=-1).astype(dtype)
+
+
+def _xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> jax.Array:
+    """jax's reference attention on (B, T, N, H), float32 scores and softmax."""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
 
 
 def _folded_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> jax.Array:
@@ -103,3 +154,61 @@ def _split_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> 
     scores = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32)
     probs = _scores_softmax(scores, q.shape[-1] ** -0.5, causal, v.dtype)
     return jnp.einsum("bnts,bsnh->btnh", probs, v)
+
+
+def _chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> jax.Array:
+    """Queries in chunks of at most CHUNK_SCORES / (N*S), one chunk after another, each
+    against all keys: the memory of one chunk's scores instead of all of them."""
+    _, t, n, h = q.shape
+    s = k.shape[1]
+
+    def one_query(query: tuple[jax.Array, jax.Array]) -> jax.Array:
+        q_t, position = query  # (B, N, H) and its index; lax.map vmaps this over a chunk
+        scores = jnp.einsum("bnh,bsnh->bns", q_t, k, preferred_element_type=jnp.float32)
+        if causal:
+            scores = jnp.where(jnp.arange(s) <= position, scores, -jnp.inf)
+        return jnp.einsum("bns,bsnh->bnh", _scores_softmax(scores, h ** -0.5, False, v.dtype), v)
+
+    out = jax.lax.map(one_query, (q.transpose(1, 0, 2, 3), jnp.arange(t)),
+                      batch_size=max(1, CHUNK_SCORES // (n * s)))
+    return out.transpose(1, 0, 2, 3)
+
+
+def _cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> jax.Array:
+    """cuDNN flash attention on (B, T, N, H) (raises where cuDNN is missing)."""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) -> jax.Array:
+    """Splash attention with the batch folded into the heads, (B*N, T, H): one kernel call,
+    no vmap (which this jax's TPU interpret mode cannot run). Padded to its blocks: queries and keys to a block multiple (padded keys in
+    segment 0, masked; every query in segment 1, so no row is all masked), head dims to a
+    multiple of 128 with zeros, which change no dot product. The kernel does not scale, so
+    q is scaled by the true 1/sqrt(H) before padding."""
+    b, t, n, h = q.shape
+    s = k.shape[1]
+    block_q = min(SPLASH_BLOCK, _round_up(t, 128))
+    block_kv = min(SPLASH_BLOCK, _round_up(s, 128))
+    t_pad, s_pad, h_pad = _round_up(t, block_q), _round_up(s, block_kv), _round_up(h, 128)
+
+    def fold(x: jax.Array, length: int) -> jax.Array:  # (B, L, N, H) -> (B*N, length, h_pad)
+        x = x.transpose(0, 2, 1, 3).reshape(b * n, x.shape[1], h)
+        return jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, h_pad - h)))
+
+    mask = splash_mask.CausalMask((t_pad, s_pad)) if causal else splash_mask.FullMask((t_pad, s_pad))
+    kernel = splash.make_splash_mha(
+        splash_mask.MultiHeadMask([mask] * (b * n)), head_shards=1, q_seq_shards=1,
+        block_sizes=splash.BlockSizes(block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv))
+    segments = splash.SegmentIds(q=jnp.ones(t_pad, jnp.int32), kv=(jnp.arange(s_pad) < s).astype(jnp.int32))
+    out = kernel(fold(q * jnp.asarray(h ** -0.5, q.dtype), t_pad), fold(k, s_pad), fold(v, s_pad), segments)
+    return out[:, :t, :h].reshape(b, n, t, h).transpose(0, 2, 1, 3)
+
+
+_IMPLEMENTATIONS: dict[str, Callable[[jax.Array, jax.Array, jax.Array, bool], jax.Array]] = {
+    "heads": _xla_attention, "batch": _folded_attention, "split": _split_attention,
+    "chunked": _chunked_attention, "cudnn": _cudnn_attention, "splash": _splash_attention,
+}
