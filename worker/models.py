@@ -10,23 +10,32 @@ from its config.json (worker/nn), its weights from safetensors or Flax msgpack
 (worker/lora.py), the tokenizers (worker/tokenizer.py) and the scheduler config. The
 sha256 of every weights file used is kept for the sidecars (worker/digests.py). Nothing
 here imports torch, diffusers or transformers.
+
+The weights go straight to the devices, replicated (worker/weights.py's device path: files read
+in parallel, moved as stored, permuted and cast on the devices), and the load is logged:
+`loaded MODEL (DTYPE) in X s: N tensors, G GB on D devices`.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import hashlib
 import json
+import logging
 import os
 import shutil
 import sys
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from renderfarm.jobs import DTYPES as JOB_DTYPES
@@ -57,11 +66,13 @@ STANDARD_BASES = {"sd1": "stable-diffusion-v1-5/stable-diffusion-v1-5", "sd2": "
 # What a hub snapshot needs: configs, tokenizer files and weights; never a pickle.
 HUB_CONFIGS = ["*.json", "*.txt"]
 
+log = logging.getLogger(__name__)
+
 
 @dataclasses.dataclass
 class LoadedModel:
-    """A pipeline's networks, weights (on the host), tokenizers and configs, and where they
-    came from."""
+    """A pipeline's networks, weights (on the devices, replicated), tokenizers and configs, and
+    where they came from."""
 
     ref: str
     revision: str | None
@@ -69,7 +80,7 @@ class LoadedModel:
     dtype: str
     variant: str | None
     networks: Networks
-    params: dict[str, Any]  # component -> parameter tree (numpy)
+    params: dict[str, Any]  # component -> parameter tree (jax arrays, replicated over the load's devices)
     tokenizers: list[CLIPTokenizer]
     configs: dict[str, dict[str, Any]]  # component -> config.json, "scheduler" included
     base: str | None = None  # a single file's base pipeline, as the jobs name it (None: the default)
@@ -237,12 +248,20 @@ def _read_json(ref: str, path: Path) -> dict[str, Any]:
     return data
 
 
+def replicated(devices: Sequence[jax.Device] | None = None) -> NamedSharding:
+    """Whole copies on each of `devices` (default: all local devices), as the engine keeps weights."""
+    return NamedSharding(Mesh(np.array(list(devices or jax.local_devices())), ("data",)), PartitionSpec())
+
+
 def load_model(ref: str, dtype: str = "float32", variant: str | None = None, base: str | None = None,
-               loras: tuple[Lora, ...] | None = None) -> LoadedModel:
+               loras: tuple[Lora, ...] | None = None, devices: Sequence[jax.Device] | None = None) -> LoadedModel:
     """Load a model for the farm: a diffusers pipeline folder (any reference), or a single
     checkpoint file with `base`'s configs and tokenizers; then merge `loras` (reference,
     scale) into its weights. With bfloat16 the weights are cast (after merging); the
-    schedulers keep their state in float32 whatever the dtype."""
+    schedulers keep their state in float32 whatever the dtype. The weights are placed on
+    `devices` (default: all local devices), a whole copy on each, before this returns; the
+    time it took is logged."""
+    started = time.perf_counter()
     if dtype not in DTYPES:
         raise JobError("dtype", dtype, f"must be one of {', '.join(DTYPES)}")
     if variant is not None:
@@ -263,25 +282,42 @@ def load_model(ref: str, dtype: str = "float32", variant: str | None = None, bas
     configs = {name: _read_json(ref, folder / name / "config.json") for name in family.components}
     configs["scheduler"] = _read_json(ref, folder / "scheduler" / "scheduler_config.json")
     deltas = _lora_deltas(loras or (), family, sources, weights)
-    modules, params = {}, {}
-    for name, component in family.components.items():
+    sharding = replicated(devices)
+    modules: dict[str, Any] = {}
+    # Each component's weights load on a thread of their own, in order, while the next component's
+    # expected shapes are traced here (jax.eval_shape of the whole network: seconds for a UNet).
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="load") as loader:
+        loading: dict[str, concurrent.futures.Future] = {}
         try:
-            config = component.config.from_dict(configs[name])
-        except (ValueError, TypeError) as err:
-            raise JobError("model", ref, f"{name}/config.json: {err}") from None
-        modules[name] = component.module(config, dtype=DTYPES[dtype])
-        expected = jax.eval_shape(modules[name].init_params, jax.random.PRNGKey(0))
-        if name in sources:
-            params[name] = load_tensors(_where(folder / name, sources[name]), component.kind, sources[name], expected,
-                                        DTYPES[dtype],
-                                        deltas.get(name))
-        else:  # Flax msgpack
-            params[name] = load_weights(folder, name, component.kind, expected, DTYPES[dtype], variant)
+            for name, component in family.components.items():
+                try:
+                    config = component.config.from_dict(configs[name])
+                except (ValueError, TypeError) as err:
+                    raise JobError("model", ref, f"{name}/config.json: {err}") from None
+                modules[name] = component.module(config, dtype=DTYPES[dtype])
+                expected = jax.eval_shape(modules[name].init_params, jax.random.PRNGKey(0))
+                if name in sources:
+                    loading[name] = loader.submit(load_tensors, _where(folder / name, sources[name]), component.kind,
+                                                  sources[name], expected, DTYPES[dtype], deltas.get(name),
+                                                  sharding=sharding)
+                else:  # Flax msgpack
+                    loading[name] = loader.submit(load_weights, folder, name, component.kind, expected, DTYPES[dtype],
+                                                  variant, sharding=sharding)
+        except BaseException:
+            for future in loading.values():  # an earlier component's error first, as if loaded one by one
+                future.cancel()
+                if not future.cancelled():
+                    future.result()
+            raise
+        params = {name: future.result() for name, future in loading.items()}
     try:
         tokenizers = [CLIPTokenizer.from_folder(folder / name) for name in family.tokenizers]
     except TokenizerError as err:
         raise JobError("model", ref, str(err)) from None
     networks = Networks(tuple(modules.items()), bool(index.get("force_zeros_for_empty_prompt", True)))
+    leaves = jax.block_until_ready(jax.tree.leaves(params))
+    log.info("loaded %s (%s) in %.2f s: %d tensors, %.2f GB on %d devices", ref, dtype, time.perf_counter() - started,
+             len(leaves), sum(leaf.nbytes for leaf in leaves) / 1e9, len(sharding.device_set))
     return LoadedModel(ref=ref, revision=revision, family=family, dtype=dtype, variant=variant, networks=networks,
                        params=params, tokenizers=tokenizers, configs=configs, base=base, loras=loras or None,
                        weights=tuple(weights))

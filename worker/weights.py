@@ -8,6 +8,13 @@ the file formats are read by this module's own small code and checked before the
   dtypes, shapes, data offsets inside the file, no overlaps, sizes that match dtype x shape) and
   the shapes are matched against the model before any tensor data is read; the data is then read
   from an mmap, so a header that lies cannot make us allocate what it claims.
+- loading to the devices (`sharding`: what load_model does): after the same checks, a pool of
+  threads preads each tensor's bytes into an array of its stored dtype and layout, group by group
+  (GROUP_BYTES, GROUP_TENSORS); each group goes to the devices, replicated, in one device_put as
+  stored (F16, BF16, F32) and is permuted and cast there by one program, compiled from the shapes
+  alone while the files are read. On CPU devices (which are the host) the reading threads permute
+  and cast with numpy instead (`convert_on_device`). Either way the parameters equal the host
+  path's bit for bit; a tensor with a LoRA delta, or stored as F64, is made on the host as before.
 - sharded safetensors: `*.safetensors.index.json` (`weight_map`: tensor -> shard file) + shards.
 - variants (`*.fp16.safetensors`, `*.safetensors.index.bf16.json`, ...), named as diffusers and
   transformers name them.
@@ -18,16 +25,20 @@ the file formats are read by this module's own small code and checked before the
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import itertools
 import json
 import math
 import mmap
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import msgpack
 import numpy as np
@@ -64,6 +75,14 @@ ST_DTYPES = {
     )},
 }
 _FLOATS = frozenset(d.numpy for d in ST_DTYPES.values() if d.numpy is not None)
+# Loading to the devices: these dtypes are moved as stored and cast there (F64 is cast on the
+# host: a device without 64-bit floats would round twice); a group's size (one device_put and one
+# compiled conversion each); the threads that read files and those that compile the conversions.
+DEVICE_DTYPES = frozenset({"F32", "F16", "BF16"})
+GROUP_BYTES = 256 * 2**20
+GROUP_TENSORS = 128
+READ_THREADS = min(16, os.cpu_count() or 1)
+COMPILE_THREADS = min(8, os.cpu_count() or 1)
 
 
 Delta = Callable[[], np.ndarray]  # what is added to a weight at load (a LoRA's), made when it is read
@@ -81,7 +100,7 @@ class TensorInfo(NamedTuple):
 
 
 def load_weights(folder: Path, component: str, kind: str, expected: Any, dtype: Any,
-                 variant: str | None = None) -> Any:
+                 variant: str | None = None, sharding: jax.sharding.Sharding | None = None) -> Any:
     """The parameters of `folder/component` in our Flax names, as numpy arrays of `dtype`.
 
     `kind` is "unet", "vae", "clip" or "clip_projection"; `expected` the module's parameter tree
@@ -91,14 +110,17 @@ def load_weights(folder: Path, component: str, kind: str, expected: Any, dtype: 
     `{diffusion_pytorch_model,model}.safetensors.index[.VARIANT].json`, then (only without a
     variant) `diffusion_flax_model.msgpack` / `flax_model.msgpack`. A missing variant is an error
     listing the variants present; pickle files are never loaded. Raises WeightsError.
+    With `sharding` (fully replicated), jax arrays placed with it instead of numpy arrays.
     """
     _check_kind(Path(folder) / component, kind)
     source = choose_weights(Path(folder) / component, variant)
     if source.suffix == ".msgpack":
         wanted, wrapped = _flat_expected(expected)
         params = unflatten_dict(_read_msgpack(source, wanted, _target_dtype(dtype)))
+        if sharding is not None:
+            params = jax.device_put(params, _checked_sharding(sharding))
         return {"params": params} if wrapped else params
-    return load_tensors(source.parent, kind, safetensors_tensors(source), expected, dtype)
+    return load_tensors(source.parent, kind, safetensors_tensors(source), expected, dtype, sharding=sharding)
 
 
 def safetensors_tensors(source: Path) -> dict[str, TensorInfo]:
@@ -107,14 +129,21 @@ def safetensors_tensors(source: Path) -> dict[str, TensorInfo]:
 
 
 def load_tensors(where: Path, kind: str, tensors: Mapping[str, TensorInfo], expected: Any, dtype: Any,
-                 deltas: Mapping[str, Delta] | None = None) -> Any:
+                 deltas: Mapping[str, Delta] | None = None, sharding: jax.sharding.Sharding | None = None) -> Any:
     """`load_weights` for tensors already found (a folder's files, or a single-file checkpoint's
     share of its tensors): PyTorch names, converted and checked against `expected`. `deltas`
     (PyTorch name -> a function giving an array of the tensor's PyTorch shape: merged LoRAs,
-    computed as each weight is read) are added in float32 before the cast to `dtype`."""
+    computed as each weight is read) are added in float32 before the cast to `dtype`. Without
+    `sharding`, numpy arrays made on the host; with it (fully replicated), jax arrays placed with
+    it, moved as stored and converted on the devices (the same values, bit for bit)."""
     _check_kind(where, kind)
     wanted, wrapped = _flat_expected(expected)
-    params = unflatten_dict(_read_safetensors(where, kind, tensors, wanted, _target_dtype(dtype), deltas or {}))
+    target = _target_dtype(dtype)
+    if sharding is None:
+        flat = _read_safetensors(where, kind, tensors, wanted, target, deltas or {})
+    else:
+        flat = _place_safetensors(where, kind, tensors, wanted, target, deltas or {}, _checked_sharding(sharding))
+    params = unflatten_dict(flat)
     return {"params": params} if wrapped else params
 
 
@@ -277,17 +306,24 @@ def read_index(index: Path) -> dict[str, TensorInfo]:
     return tensors
 
 
-def _read_safetensors(where: Path, kind: str, tensors: Mapping[str, TensorInfo],
-                      wanted: Mapping[tuple[str, ...], tuple[int, ...]], target: np.dtype,
-                      deltas: Mapping[str, Delta]) -> dict:
-    """Convert names and check shapes against the model, then read each tensor from an mmap
-    (adding its delta, if any, in float32)."""
+def _plan(where: Path, kind: str, tensors: Mapping[str, TensorInfo],
+          wanted: Mapping[tuple[str, ...], tuple[int, ...]]) -> dict[str, convert.Target]:
+    """Convert names and check shapes against the model, and dtypes: before any data is read."""
     plan = convert.plan(kind, {name: t.shape for name, t in tensors.items()}, wanted, str(where))
     for name in plan:
         info = tensors[name]
         if ST_DTYPES[info.dtype].numpy is None:
             raise WeightsError(where, f"{info.file.name}: tensor {shown(name)} has dtype {info.dtype}; "
                                       "weights must be F32, F16, BF16 or F64")
+    return plan
+
+
+def _read_safetensors(where: Path, kind: str, tensors: Mapping[str, TensorInfo],
+                      wanted: Mapping[tuple[str, ...], tuple[int, ...]], target: np.dtype,
+                      deltas: Mapping[str, Delta]) -> dict:
+    """The host path: check (`_plan`), then read each tensor from an mmap, permute and cast it
+    with numpy (adding its delta, if any, in float32)."""
+    plan = _plan(where, kind, tensors, wanted)
     flat = {}
     for file in sorted({tensors[name].file for name in plan}):
         with open(file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
@@ -307,6 +343,150 @@ def read_tensor(data: mmap.mmap, info: TensorInfo, axes: tuple[int, ...] | None,
     view = np.frombuffer(data, ST_DTYPES[info.dtype].numpy, math.prod(info.shape), info.start)
     view = view.reshape(info.shape[::-1]).T if info.transposed else view.reshape(info.shape)
     return np.array(view.transpose(axes) if axes else view, dtype=target, order="C")
+
+
+# ------------------------------------------------------------------------------------ to the devices
+
+class _Move(NamedTuple):
+    """How one stored array becomes its parameter on the devices: all static, so a group's moves
+    (with the stored shapes and dtypes) key its compiled conversion."""
+
+    transposed: bool  # the stored array is the 2-D transpose of the tensor (TensorInfo.transposed)
+    axes: tuple[int, ...] | None  # then numpy.transpose axes (convert.Target.axes)
+
+
+def _checked_sharding(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
+    if not isinstance(sharding, jax.sharding.Sharding) or not sharding.is_fully_replicated:
+        raise ValueError(f"weights are placed replicated: {sharding!r} is not a fully replicated jax Sharding")
+    return sharding
+
+
+def convert_on_device(sharding: jax.sharding.Sharding) -> bool:
+    """Whether the device path permutes and casts on the devices (accelerators) or with numpy in
+    its reading threads (CPU devices, which are the host: there numpy is faster than XLA's CPU
+    code, and compiles nothing). RENDERFARM_CONVERT=device or host overrides, for benchmarks."""
+    choice = os.environ.get("RENDERFARM_CONVERT", "auto")
+    if choice not in ("auto", "device", "host"):
+        raise ValueError(f"RENDERFARM_CONVERT={choice!r}: must be auto, device or host")
+    return choice == "device" or (choice == "auto" and any(d.platform != "cpu" for d in sharding.device_set))
+
+
+def _place_safetensors(where: Path, kind: str, tensors: Mapping[str, TensorInfo],
+                       wanted: Mapping[tuple[str, ...], tuple[int, ...]], target: np.dtype,
+                       deltas: Mapping[str, Delta], sharding: jax.sharding.Sharding) -> dict:
+    """The device path: check (`_plan`), then read the tensors in file order, in groups, on a pool
+    of threads (preads of the raw bytes into arrays of the stored dtype and layout), the next
+    group read while this one goes to the devices in one device_put and is permuted and cast
+    there in one compiled call (each group's program compiled on other threads meanwhile, from
+    the shapes alone). A tensor with a delta, or stored as F64, is made on the host exactly as
+    `_read_safetensors` makes it, and so is every tensor when not `convert_on_device`."""
+    plan = _plan(where, kind, tensors, wanted)
+    on_device = convert_on_device(sharding)
+    moves = {name: _Move(tensors[name].transposed, plan[name].axes) for name in plan
+             if on_device and name not in deltas and tensors[name].dtype in DEVICE_DTYPES}  # the rest: on the host
+    groups = list(_groups(sorted(plan, key=lambda name: (tensors[name].file, tensors[name].start)), tensors))
+    flat: dict[tuple[str, ...], Any] = {target_.path: None for target_ in plan.values()}  # in plan order
+    todo = [[name for name in group if name in moves and _needs_work(tensors[name], moves[name], target)]
+            for group in groups]  # what each group's program permutes or casts
+    files: dict[Path, int] = {}
+    try:
+        for file in sorted({tensors[name].file for name in plan}):
+            files[file] = os.open(file, os.O_RDONLY)
+
+        def fetch(name: str) -> np.ndarray:
+            raw = _read_raw(where, files[tensors[name].file], name, tensors[name])
+            return raw if name in moves else _on_host(raw, tensors[name], plan[name].axes, target, deltas.get(name))
+
+        with concurrent.futures.ThreadPoolExecutor(READ_THREADS, "weights-read") as reader, \
+                concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, "weights-compile") as compiler:
+            programs = [compiler.submit(_compile, [tensors[name] for name in names],
+                                        tuple(moves[name] for name in names), target, sharding) if names else None
+                        for names in todo]
+            reading = [reader.submit(fetch, name) for name in groups[0]] if groups else []
+            try:
+                for i, group in enumerate(groups):
+                    arrays = [future.result() for future in reading]
+                    reading = [reader.submit(fetch, name) for name in groups[i + 1]] if i + 1 < len(groups) else []
+                    placed = dict(zip(group, jax.device_put(arrays, sharding), strict=True))
+                    del arrays
+                    if programs[i] is not None:
+                        done = programs[i].result()([placed[name] for name in todo[i]])
+                        placed.update(zip(todo[i], done, strict=True))
+                    for name in group:
+                        flat[plan[name].path] = placed[name]
+                    del placed
+            except BaseException:
+                for future in [*reading, *(program for program in programs if program is not None)]:
+                    future.cancel()
+                raise
+    finally:
+        for fd in files.values():
+            os.close(fd)
+    return flat
+
+
+def _groups(names: Sequence[str], tensors: Mapping[str, TensorInfo]) -> Iterator[list[str]]:
+    """Consecutive runs of at most GROUP_TENSORS tensors and about GROUP_BYTES (a larger tensor alone)."""
+    group: list[str] = []
+    size = 0
+    for name in names:
+        if group and (size + tensors[name].nbytes > GROUP_BYTES or len(group) == GROUP_TENSORS):
+            yield group
+            group, size = [], 0
+        group.append(name)
+        size += tensors[name].nbytes
+    if group:
+        yield group
+
+
+def _read_raw(where: Path, fd: int, name: str, info: TensorInfo) -> np.ndarray:
+    """One tensor's bytes as stored (dtype, and the stored layout's shape), read with pread into a
+    new array; its header was checked, and its shape matched to the model's, before."""
+    stored = info.shape[::-1] if info.transposed else info.shape
+    array = np.empty(stored, ST_DTYPES[info.dtype].numpy)
+    buffer = memoryview(array.reshape(-1).view(np.uint8))
+    done = 0
+    while done < info.nbytes:
+        count = os.preadv(fd, [buffer[done:]], info.start + done)
+        if count <= 0:
+            raise WeightsError(where, f"{info.file.name}: ends inside tensor {shown(name)} "
+                                      "(the file changed while it was read?)")
+        done += count
+    return array
+
+
+def _on_host(raw: np.ndarray, info: TensorInfo, axes: tuple[int, ...] | None, target: np.dtype,
+             delta: Delta | None) -> np.ndarray:
+    """One parameter made on the host from its stored array, as `_read_safetensors` makes it."""
+    view = raw.T if info.transposed else raw
+    if delta is not None:
+        weight = np.array(view, np.float32, order="C") + delta()
+        return np.array(weight.transpose(axes) if axes else weight, dtype=target)
+    return np.array(view.transpose(axes) if axes else view, dtype=target, order="C")
+
+
+def _needs_work(info: TensorInfo, move: _Move, target: np.dtype) -> bool:
+    return move.transposed or bool(move.axes) or ST_DTYPES[info.dtype].numpy != target
+
+
+def _compile(infos: list[TensorInfo], moves: tuple[_Move, ...], target: np.dtype,
+             sharding: jax.sharding.Sharding) -> Any:
+    """The compiled conversion of a group's stored arrays (placed with `sharding`)."""
+    specs = [jax.ShapeDtypeStruct(info.shape[::-1] if info.transposed else info.shape, ST_DTYPES[info.dtype].numpy,
+                                  sharding=sharding) for info in infos]
+    return _converted.lower(specs, moves, np.dtype(target).name).compile()
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _converted(arrays: list[jax.Array], moves: tuple[_Move, ...], target: str) -> list[jax.Array]:
+    out = []
+    for array, move in zip(arrays, moves, strict=True):
+        if move.transposed:
+            array = array.T
+        if move.axes:
+            array = jnp.transpose(array, move.axes)
+        out.append(array.astype(target))
+    return out
 
 
 # --------------------------------------------------------------------------------------------- msgpack
