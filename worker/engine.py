@@ -169,6 +169,7 @@ class Engine:
         self._batches = itertools.count()
         self._last_collected = 0.0  # when the devices last finished a batch (perf_counter)
         self._flops: dict[ShapeKey, float | None] = {}
+        self._peak_bytes: dict[ShapeKey, int | None] = {}  # after each shape's first batch (peak_memory)
         self.compile_seconds = 0.0
         self.compiles = 0  # programs compiled (not loaded from saved executables)
         self.cache_hits = 0  # programs found in the persistent compilation cache
@@ -314,6 +315,28 @@ class Engine:
         program; None before it is compiled or where the backend counts nothing."""
         return self._flops.get(key)
 
+    def peak_memory(self, key: ShapeKey) -> int | None:
+        """The devices' peak memory in use (bytes, the largest of the engine's devices) when the
+        first batch of `key` was collected; None before that, or where the backend reports no
+        memory statistics (XLA's CPU backend reports none). The peak is the process's so far:
+        for the first shape served it is that shape's, for later ones the largest yet."""
+        return self._peak_bytes.get(key)
+
+    def _record_peak_memory(self, key: ShapeKey) -> None:
+        """Log the devices' peak memory once per shape, after its first batch."""
+        if key in self._peak_bytes:
+            return
+        peaks = [(device.memory_stats() or {}).get("peak_bytes_in_use") for device in self.devices]
+        peak = None if None in peaks else max(peaks)
+        self._peak_bytes[key] = peak
+        if peak is None:
+            log.info("%s: peak device memory not reported (the %s backend gives no memory statistics)",
+                     key, self.devices[0].platform)
+        else:
+            limit = (self.devices[0].memory_stats() or {}).get("bytes_limit")
+            log.info("%s: peak device memory %.2f GB after its first batch%s", key, peak / 1e9,
+                     f" (of {limit / 1e9:.2f} GB)" if limit else "")
+
     # -- rendering -------------------------------------------------------------------
 
     def tokenize(self, texts: list[str]) -> tuple[np.ndarray, list[bool]]:
@@ -365,6 +388,7 @@ class Engine:
         # from the end of the one before if that ended later.
         busy = now - max(batch.started, self._last_collected)
         self._last_collected = now
+        self._record_peak_memory(batch.key)
         info = Batch(batch.seq, len(batch.specs), self.batch_size, now - batch.started, busy * len(self.devices))
         return [Rendered(i, spec, pixels[n], batch.key, batch.truncated[n], info, scanlines[n])
                 for n, (i, spec) in enumerate(zip(batch.indices, batch.specs))]
