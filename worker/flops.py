@@ -21,7 +21,7 @@ PEAK_ENV = "RENDERFARM_PEAK_TFLOPS"  # per JAX device; overrides the table below
 # two TensorCores as a device; later TPUs and GPUs show one device per chip.
 PEAK_TFLOPS = {
     "TPU v2": 22.5, "TPU v3": 61.5, "TPU v4": 275.0, "TPU v5 lite": 197.0, "TPU v5e": 197.0,
-    "TPU v5": 459.0, "TPU v5p": 459.0, "TPU v6 lite": 918.0, "TPU v6e": 918.0,
+    "TPU v5": 459.0, "TPU v5p": 459.0, "TPU v6 lite": 918.0, "TPU v6e": 918.0, "TPU7x": 2307.0,
     "NVIDIA H100 PCIe": 756.0, "NVIDIA H100": 989.0, "NVIDIA H200": 989.0, "NVIDIA A100": 312.0,
 }
 CONTEXT_TOKENS = 77  # CLIP's context length: every SD text embedding has 77 positions
