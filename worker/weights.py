@@ -46,7 +46,7 @@ from flax.core import unfreeze
 from flax.serialization import msgpack_restore
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from renderfarm.jobs import JobError, shown
+from renderfarm.jobs import JobError, check_variant, shown
 from worker import convert
 from worker.convert import WeightsError
 
@@ -56,7 +56,6 @@ PICKLE_SUFFIXES = (".bin", ".ckpt", ".pt", ".pth")
 MAX_HEADER = 100 * 2**20  # SDXL's UNet header is ~200 KB
 MAX_INDEX = 16 * 2**20  # a shard index lists names only
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
-VARIANT_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _SHARD_RE = re.compile(r".*-\d+-of-\d+")
 
 
@@ -178,8 +177,8 @@ def _variants(names: set[str]) -> list[str]:
 
 def choose_weights(where: Path, variant: str | None) -> Path:
     """The file to load from the component folder (see load_weights for the order)."""
-    if variant is not None and not (isinstance(variant, str) and VARIANT_RE.fullmatch(variant)):
-        raise JobError("variant", variant, "must be 1 to 64 of A-Z a-z 0-9 _ -")
+    if variant is not None:
+        check_variant(variant)  # the job contract's one rule: it names files
     if not where.is_dir():
         raise WeightsError(where, "is not a folder (the pipeline has no such component)")
     names = {p.name for p in where.iterdir() if p.is_file()}
