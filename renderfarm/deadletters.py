@@ -4,7 +4,7 @@ A message that is not a valid job (its envelope, or its job fields) is acknowled
 never delivered again, and moved here: the operator sees how many (`renderfarm status`),
 reads why (`renderfarm deadletters`), and can put them back on their queue once the cause is
 fixed (`--requeue`) or drop them (`--purge`). Each queue keeps its newest MAX_KEPT entries
-(older ones are dropped; the count of all stays), and a message over MAX_MESSAGE_BYTES is
+(older ones are dropped; the count of all stays), and a message over KEPT_MESSAGE_BYTES is
 kept cut, so hostile traffic cannot fill Redis.
 
 Keys:
@@ -26,7 +26,7 @@ from renderfarm.queue import priority_list, redis_priority
 
 COUNTS = "rf:dead"
 MAX_KEPT = 1000
-MAX_MESSAGE_BYTES = 64 * 1024
+KEPT_MESSAGE_BYTES = 64 * 1024  # what a dead letter keeps of its message (the worker refuses over 1 MiB)
 
 
 def entries_key(queue: str) -> str:
@@ -42,8 +42,8 @@ def entry(queue: str, reason: str, message: bytes, job_id: str | None = None) ->
         "job_id": job_id,
         "worker": socket.gethostname(),
         "bytes": len(message),
-        "truncated": len(message) > MAX_MESSAGE_BYTES,
-        "message": base64.b64encode(message[:MAX_MESSAGE_BYTES]).decode("ascii"),
+        "truncated": len(message) > KEPT_MESSAGE_BYTES,
+        "message": base64.b64encode(message[:KEPT_MESSAGE_BYTES]).decode("ascii"),
     })
 
 

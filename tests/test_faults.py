@@ -287,7 +287,7 @@ def test_dead_letters_can_be_listed_requeued_and_purged(redis_server: RedisServe
     queue = queue_name(spec.model, "float32")
     pipe = r.pipeline()
     deadletters.add(pipe, queue, "invalid job: steps=0: must be in 1..500", json.dumps(message).encode(), spec.job_id)
-    deadletters.add(pipe, queue, "message rejected: too big", b"x" * (deadletters.MAX_MESSAGE_BYTES + 1))
+    deadletters.add(pipe, queue, "message rejected: too big", b"x" * (deadletters.KEPT_MESSAGE_BYTES + 1))
     pipe.execute()
     broker = ["--broker", redis_server.url]
     assert main(["deadletters", *broker]) == 0
