@@ -329,18 +329,26 @@ def _read_safetensors(where: Path, kind: str, tensors: Mapping[str, TensorInfo],
             for name, move in plan.items():
                 if tensors[name].file != file:
                     continue
-                if name in deltas:
-                    weight = read_tensor(data, tensors[name], None, np.dtype(np.float32)) + deltas[name]()
-                    flat[move.path] = np.array(weight.transpose(move.axes) if move.axes else weight, dtype=target)
-                else:
-                    flat[move.path] = read_tensor(data, tensors[name], move.axes, target)
+                flat[move.path] = _made(_view(data, tensors[name]), move.axes, target, deltas.get(name))
     return flat
 
 
 def read_tensor(data: mmap.mmap, info: TensorInfo, axes: tuple[int, ...] | None, target: np.dtype) -> np.ndarray:
     """A copy of one tensor, permuted and cast (no view outlives the mmap)."""
+    return _made(_view(data, info), axes, target)
+
+
+def _view(data: mmap.mmap, info: TensorInfo) -> np.ndarray:
+    """One tensor of an mmap in the model's shape, not copied."""
     view = np.frombuffer(data, ST_DTYPES[info.dtype].numpy, math.prod(info.shape), info.start)
-    view = view.reshape(info.shape[::-1]).T if info.transposed else view.reshape(info.shape)
+    return view.reshape(info.shape[::-1]).T if info.transposed else view.reshape(info.shape)
+
+
+def _made(view: np.ndarray, axes: tuple[int, ...] | None, target: np.dtype, delta: Delta | None = None) -> np.ndarray:
+    """A parameter from a tensor in the model's shape: its delta (if any) added in float32, then
+    permuted and cast, as a new array. Both paths make host-side parameters here."""
+    if delta is not None:
+        view = np.array(view, np.float32, order="C") + delta()
     return np.array(view.transpose(axes) if axes else view, dtype=target, order="C")
 
 
@@ -378,7 +386,7 @@ def _place_safetensors(where: Path, kind: str, tensors: Mapping[str, TensorInfo]
     group read while this one goes to the devices in one device_put and is permuted and cast
     there in one compiled call (each group's program compiled on other threads meanwhile, from
     the shapes alone). A tensor with a delta, or stored as F64, is made on the host exactly as
-    `_read_safetensors` makes it, and so is every tensor when not `convert_on_device`."""
+    `_read_safetensors` makes it (`_made`), and so is every tensor when not `convert_on_device`."""
     plan = _plan(where, kind, tensors, wanted)
     on_device = convert_on_device(sharding)
     moves = {name: _Move(tensors[name].transposed, plan[name].axes) for name in plan
@@ -394,7 +402,9 @@ def _place_safetensors(where: Path, kind: str, tensors: Mapping[str, TensorInfo]
 
         def fetch(name: str) -> np.ndarray:
             raw = _read_raw(where, files[tensors[name].file], name, tensors[name])
-            return raw if name in moves else _on_host(raw, tensors[name], plan[name].axes, target, deltas.get(name))
+            if name in moves:
+                return raw
+            return _made(raw.T if tensors[name].transposed else raw, plan[name].axes, target, deltas.get(name))
 
         with concurrent.futures.ThreadPoolExecutor(READ_THREADS, "weights-read") as reader, \
                 concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, "weights-compile") as compiler:
@@ -452,16 +462,6 @@ def _read_raw(where: Path, fd: int, name: str, info: TensorInfo) -> np.ndarray:
                                       "(the file changed while it was read?)")
         done += count
     return array
-
-
-def _on_host(raw: np.ndarray, info: TensorInfo, axes: tuple[int, ...] | None, target: np.dtype,
-             delta: Delta | None) -> np.ndarray:
-    """One parameter made on the host from its stored array, as `_read_safetensors` makes it."""
-    view = raw.T if info.transposed else raw
-    if delta is not None:
-        weight = np.array(view, np.float32, order="C") + delta()
-        return np.array(weight.transpose(axes) if axes else weight, dtype=target)
-    return np.array(view.transpose(axes) if axes else view, dtype=target, order="C")
 
 
 def _needs_work(info: TensorInfo, move: _Move, target: np.dtype) -> bool:
