@@ -1,10 +1,10 @@
 """Accelerators: full-size SD 1.5 and SDXL, random weights, through the worker's own loader and
 engine, with diffusers' PyTorch pipeline beside them (issue 23, items 2, 4 and 5). Not a test.
 
-Per model it prints: the seconds to load the folder (worker.models.load_model), to compile
+Per model it prints: the seconds to load the folder (diffusion.models.load_model), to compile
 the program cold (empty caches) and warm (a second process that finds the saved executable
 the first left, worker/executables.py, as `renderfarm worker --compile-cache` does), the
-images/s in steady state, XLA's FLOPs per image (worker/flops.py) and the fraction of the
+images/s in steady state, XLA's FLOPs per image (diffusion/flops.py) and the fraction of the
 device's peak, and the devices' peak memory (Engine.peak_memory: `memory_stats()`, which
 XLA's CPU backend does not give). With `--peer` it times diffusers' PyTorch pipeline on the
 same folder, steps and per-device batch on one device (float16, eager, SDPA; `--compile-peer`
@@ -13,7 +13,7 @@ adds a torch.compile'd UNet) and prints ours / theirs per device.
 The models are written here, torch-free and without a download: diffusers folders in
 PyTorch's safetensors format (float16), with the published configs of
 stable-diffusion-v1-5 and stable-diffusion-xl-base-1.0 (model_index.json, unet, vae,
-text_encoder(s), scheduler) and random weights. The tokenizers are worker/tiny.py's byte-level
+text_encoder(s), scheduler) and random weights. The tokenizers are diffusion/tiny.py's byte-level
 CLIP BPE (514 tokens) in front of text encoders with the real 49,408 embedding rows: the
 ids change, the work does not. Folders are kept under --workdir and reused.
 
@@ -138,11 +138,11 @@ MEMORY_DEVICES = {"80 GB GPU (H100, A100 80GB)": (80e9, 0.75), "16 GB TPU v5e ch
 
 def model_plans(smoke: bool) -> dict[str, dict[str, Any]]:
     """Per model: label, family, size, steps, per-device batch and the configs written."""
-    from worker.tiny import _text_config, _unet_config, _vae_config
+    from diffusion.tiny import _text_config, _unet_config, _vae_config
 
     plans = {}
     for name, (label, family, size, steps, batch, configs, scheduler) in FULL.items():
-        if smoke:  # worker/tiny.py's configs; its tokenizers have 514 tokens (bos 512, eos 513)
+        if smoke:  # diffusion/tiny.py's configs; its tokenizers have 514 tokens (bos 512, eos 513)
             configs = {"unet": _unet_config(family), "vae": _vae_config(family), "text_encoder": _text_config(514)}
             if family == "sdxl":
                 configs["text_encoder_2"] = _text_config(514, hidden_act="gelu")
@@ -154,7 +154,7 @@ def model_plans(smoke: bool) -> dict[str, dict[str, Any]]:
 
 def _torch_name(kind: str, path: tuple[str, ...]) -> str:
     """The PyTorch (diffusers / transformers) name of our Flax parameter `path`: the inverse of
-    worker.convert.target, which `tests/test_bench_accelerator.py` checks against the oracle's
+    diffusion.convert.target, which `tests/test_bench_accelerator.py` checks against the oracle's
     checkpoints saved by diffusers itself."""
     *layers, leaf = path
     if kind in ("unet", "vae"):
@@ -248,13 +248,13 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 def write_pipeline(out: Path, plan: dict[str, Any], seed: int = 0) -> dict[str, Any]:
     """A diffusers folder in PyTorch's format: model_index.json, each component's config.json
-    and float16 safetensors (random weights), worker/tiny.py's tokenizers, the scheduler
+    and float16 safetensors (random weights), diffusion/tiny.py's tokenizers, the scheduler
     config. Kept: a second call with the same plan returns at once. Returns what it wrote."""
     import jax
     from flax.traverse_util import flatten_dict
 
-    from worker.families import FAMILIES
-    from worker.tiny import _EOS, _tokenizer_files
+    from diffusion.families import FAMILIES
+    from diffusion.tiny import _EOS, _tokenizer_files
 
     digest = hashlib.sha256(json.dumps([plan["configs"], plan["scheduler"], seed, WRITER_VERSION],
                                        sort_keys=True).encode()).hexdigest()
@@ -319,10 +319,10 @@ def child_ours(job: dict[str, Any]) -> dict[str, Any]:
 
     import jax
 
+    from diffusion.flops import peak_flops
+    from diffusion.models import load_model
     from worker.engine import Engine, enable_compilation_cache
     from worker.executables import ExecutableStore
-    from worker.flops import peak_flops
-    from worker.models import load_model
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     imported = time.time()
@@ -467,11 +467,11 @@ def memory_arithmetic(plans: dict[str, dict[str, Any]], batches: tuple[int, ...]
     import jax
     import jax.numpy as jnp
 
-    from worker.families import FAMILIES
-    from worker.family import Networks
-    from worker.generate import Inputs, Static
-    from worker.nn.attention import use_kernel
-    from worker.schedulers import make
+    from diffusion.families import FAMILIES
+    from diffusion.family import Networks
+    from diffusion.generate import Inputs, Static
+    from diffusion.nn.attention import use_kernel
+    from diffusion.schedulers import make
 
     results = {}
     for name, plan in plans.items():

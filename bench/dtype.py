@@ -21,10 +21,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from diffusion.models import load_model  # noqa: E402
+from diffusion.tiny import build_tiny_model  # noqa: E402
 from renderfarm.jobs import JobSpec  # noqa: E402
 from worker.engine import Engine, ShapeKey  # noqa: E402
-from worker.models import load_model  # noqa: E402
-from worker.tiny import build_tiny_model  # noqa: E402
 
 DTYPES = ("float32", "bfloat16")
 

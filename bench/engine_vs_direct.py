@@ -32,12 +32,12 @@ from flax.jax_utils import replicate  # noqa: E402
 from flax.training.common_utils import shard  # noqa: E402
 
 from bench.flax_reference import quiet_diffusers  # noqa: E402
+from diffusion.models import load_model  # noqa: E402
+from diffusion.tiny import build_tiny_model  # noqa: E402
 from renderfarm.jobs import JobSpec  # noqa: E402
 from renderfarm.storage import open_storage  # noqa: E402
 from worker.engine import Engine, enable_compilation_cache  # noqa: E402
 from worker.local import render_to_storage  # noqa: E402
-from worker.models import load_model  # noqa: E402
-from worker.tiny import build_tiny_model  # noqa: E402
 
 
 def direct_flow(model_dir: Path, steps: int, out: Path) -> Callable[[list[str]], None]:

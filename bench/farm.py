@@ -123,11 +123,11 @@ def farm_rate(model: Path, tmp: Path, n: int, steps: int, stand_in: float | None
 
 
 def local_rate(model: Path, tmp: Path, n: int, steps: int) -> float:
+    from diffusion.models import load_model
     from renderfarm.jobs import JobSpec
     from renderfarm.storage import open_storage
     from worker.engine import Engine
     from worker.local import render_to_storage
-    from worker.models import load_model
 
     loaded = load_model(str(model))
     specs = [JobSpec(prompt=f"a lighthouse, variation {i}", model=str(model), seed=i, steps=steps, campaign="bench")
@@ -149,7 +149,7 @@ def main() -> None:
         print(f"(a) submit: {n} jobs in {n / rate:.1f} s = {rate:,.0f} jobs/s (target >= {SUBMIT_TARGET})")
         print(f"    peak RSS of this process: {peak_rss_mib():.0f} MiB")
     with tempfile.TemporaryDirectory(prefix="rf-bench-") as tmp:
-        from worker.tiny import build_tiny_model
+        from diffusion.tiny import build_tiny_model
 
         model = build_tiny_model(Path(tmp) / "tiny-sd")
         if "b" in args.parts:

@@ -25,10 +25,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
+from diffusion.models import load_model  # noqa: E402
+from diffusion.tiny import build_tiny_model  # noqa: E402
 from renderfarm.jobs import JobSpec  # noqa: E402
 from worker.engine import Engine  # noqa: E402
-from worker.models import load_model  # noqa: E402
-from worker.tiny import build_tiny_model  # noqa: E402
 
 
 def main() -> None:

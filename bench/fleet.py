@@ -162,9 +162,7 @@ def main() -> None:
     args = parser.parse_args()
     workers, n, seconds = args.workers, args.jobs, args.batch_seconds
     with tempfile.TemporaryDirectory(prefix="rf-fleet-") as tmp:
-        from worker.tiny import (
-            build_tiny_model,  # only to build the folder the workers load
-        )
+        from diffusion.tiny import build_tiny_model  # only to build the folder the workers load
 
         model = build_tiny_model(Path(tmp) / "tiny-sd")
         produced, produced_cpu = producer_commands(n, str(model))

@@ -22,10 +22,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from worker.flops import CONTEXT_TOKENS, program_flops, unet_flops  # noqa: E402
-from worker.nn.clip import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection  # noqa: E402
-from worker.nn.unet import UNet2DConditionModel, UNetConfig  # noqa: E402
-from worker.nn.vae import AutoencoderKL, VAEConfig  # noqa: E402
+from diffusion.flops import CONTEXT_TOKENS, program_flops, unet_flops  # noqa: E402
+from diffusion.nn.clip import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection  # noqa: E402
+from diffusion.nn.unet import UNet2DConditionModel, UNetConfig  # noqa: E402
+from diffusion.nn.vae import AutoencoderKL, VAEConfig  # noqa: E402
 
 SD15_UNET = {
     "sample_size": 64, "in_channels": 4, "out_channels": 4, "layers_per_block": 2,

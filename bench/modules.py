@@ -1,9 +1,9 @@
-"""Our model layer (worker/nn) against diffusers' / transformers' Flax modules, same weights,
+"""Our model layer (diffusion/nn) against diffusers' / transformers' Flax modules, same weights,
 same shapes: images/s of a whole render (text encoders on prompt and negative, the UNet on the
 classifier-free guidance batch every step, the VAE decoder), and ms per UNet call for each
-attention head layout of worker/nn/attention.py next to diffusers' Flax UNet. Not a test.
+attention head layout of diffusion/nn/attention.py next to diffusers' Flax UNet. Not a test.
 
-The models are tiny (worker/tiny.py's sizes, GroupNorm over 32 groups so the Flax UNet runs),
+The models are tiny (diffusion/tiny.py's sizes, GroupNorm over 32 groups so the Flax UNet runs),
 the weights random, the images 256x256 (latents 32x32), a batch of 8 images (16 for the UNet).
 The denoising loop is a fixed Euler-like stand-in, the same for both, so only the modules
 differ. Each program is compiled and run once before timing; rounds alternate between the
@@ -30,10 +30,10 @@ import numpy as np  # noqa: E402
 from flax.traverse_util import flatten_dict, unflatten_dict  # noqa: E402
 
 from bench.flax_reference import quiet_diffusers  # noqa: E402
-from worker.nn.attention import LAYOUTS, default_layout, use_layout  # noqa: E402
-from worker.nn.clip import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection  # noqa: E402
-from worker.nn.unet import UNet2DConditionModel, UNetConfig  # noqa: E402
-from worker.nn.vae import AutoencoderKL, VAEConfig  # noqa: E402
+from diffusion.nn.attention import LAYOUTS, default_layout, use_layout  # noqa: E402
+from diffusion.nn.clip import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection  # noqa: E402
+from diffusion.nn.unet import UNet2DConditionModel, UNetConfig  # noqa: E402
+from diffusion.nn.vae import AutoencoderKL, VAEConfig  # noqa: E402
 
 TOKENS = 77
 TEXT = {"vocab_size": 514, "hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 2,

@@ -57,8 +57,8 @@ class Bare:
     """The worker's compiled function for the benchmark's shape, in this process."""
 
     def __init__(self, model: Path, steps: int) -> None:
+        from diffusion.models import load_model
         from worker.engine import Engine
-        from worker.models import load_model
 
         engine = Engine(load_model(str(model)))
         specs = [JobSpec(prompt=f"a lighthouse, variation {i}", model=str(model), seed=i, steps=steps,
@@ -92,7 +92,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    from worker.tiny import build_tiny_model
+    from diffusion.tiny import build_tiny_model
 
     ratios = []
     with tempfile.TemporaryDirectory(prefix="rf-bench-") as tmp:

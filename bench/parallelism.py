@@ -21,11 +21,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax.jax_utils import replicate  # noqa: E402
 
+from diffusion.generate import Inputs, Output, Static  # noqa: E402
+from diffusion.models import load_model  # noqa: E402
+from diffusion.tiny import build_tiny_model  # noqa: E402
 from renderfarm.jobs import JobSpec  # noqa: E402
 from worker.engine import BATCH, REPLICATED, Engine  # noqa: E402
-from worker.generate import Inputs, Output, Static  # noqa: E402
-from worker.models import load_model  # noqa: E402
-from worker.tiny import build_tiny_model  # noqa: E402
 
 
 def seconds_per_call(call: Callable[[], Output], repeats: int) -> float:

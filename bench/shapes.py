@@ -36,7 +36,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=300)
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
-    from worker.tiny import build_tiny_model
+    from diffusion.tiny import build_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="rf-bench-") as tmp:
         model = build_tiny_model(Path(tmp) / "tiny-sd")

@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 
 import worker.engine
+from diffusion.generate import Output
 from renderfarm.jobs import JobSpec
 from worker.engine import Engine, ShapeKey
-from worker.generate import Output
 
 
 class _Pending:

@@ -13,8 +13,8 @@ import time
 import timeit
 from pathlib import Path
 
+from diffusion.tokenizer import CLIPTokenizer
 from tests.oracle.tokenizer import build_folder
-from worker.tokenizer import CLIPTokenizer
 
 SUBJECTS = ["a lighthouse on a cliff", "a red fox in fresh snow", "a bowl of ramen", "an astronaut riding a horse",
             "a watercolor map of an imaginary island", "portrait of an old fisherman", "a cyberpunk street at night",

@@ -81,7 +81,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    from worker.tiny import build_tiny_model
+    from diffusion.tiny import build_tiny_model
 
     colds, warms = [], []
     with tempfile.TemporaryDirectory(prefix="rf-bench-") as tmp:

@@ -21,6 +21,7 @@ COPY pyproject.toml requirements.lock README.md ./
 COPY renderfarm renderfarm
 COPY renderfarm_cli renderfarm_cli
 COPY producer producer
+COPY diffusion diffusion
 COPY worker worker
 RUN pip install --no-cache-dir -c requirements.lock ".[${EXTRA}]" "${FLOWER_SPEC}"
 # Every process runs as this user, never root; its uid is fixed (10001) so that a volume or

@@ -24,10 +24,10 @@ from typing import Any
 
 import yaml
 
-from producer.ingest import SourceReader, SourceRow, row_unit
 from producer.submit import Submission, enqueue_jobs
 from producer.templates import MODES, check_templates, expand
 from producer.window import Feeder, check_window
+from renderfarm.ingest import SourceReader, SourceRow, row_unit
 from renderfarm.jobs import (
     SEED_LIMIT,
     JobError,

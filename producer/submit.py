@@ -33,7 +33,7 @@ from kombu.utils.json import JSONEncoder
 from kombu.utils.uuid import uuid
 from tqdm import tqdm
 
-from producer.ingest import build_jobs, prompt_rows
+from renderfarm.ingest import build_jobs, prompt_rows
 from renderfarm.jobs import JobError, JobSpec
 from renderfarm.progress import Progress, key
 from renderfarm.queue import ENQUEUED_HEADER, TASK_NAME, job_message, make_app

@@ -34,28 +34,28 @@ def compile_cache() -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_sd(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from worker.tiny import build_tiny_model
+    from diffusion.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-sd", kind="sd")
 
 
 @pytest.fixture(scope="session")
 def tiny_sdxl(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from worker.tiny import build_tiny_model
+    from diffusion.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-sdxl", kind="sdxl")
 
 
 @pytest.fixture(scope="session")
 def sd_model(tiny_sd: Path):  # noqa: ANN201 - LoadedModel, imported lazily
-    from worker.models import load_model
+    from diffusion.models import load_model
 
     return load_model(str(tiny_sd))
 
 
 @pytest.fixture(scope="session")
 def sdxl_model(tiny_sdxl: Path):  # noqa: ANN201
-    from worker.models import load_model
+    from diffusion.models import load_model
 
     return load_model(str(tiny_sdxl))
 

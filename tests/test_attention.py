@@ -1,4 +1,4 @@
-"""The attention kernel rule (worker/nn/attention.py) for every farm shape per backend, and the
+"""The attention kernel rule (diffusion/nn/attention.py) for every farm shape per backend, and the
 kernels that cannot run here checked another way: splash in Pallas' TPU interpret mode, the
 chunked path with small chunks, cuDNN by the call it makes."""
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from worker.nn import attention as attention_module
-from worker.nn.attention import KERNELS, LAYOUTS, attention, choose, cudnn_accepts, use_kernel
+from diffusion.nn import attention as attention_module
+from diffusion.nn.attention import KERNELS, LAYOUTS, attention, choose, cudnn_accepts, use_kernel
 
 # Per-device shapes at the farm's sizes, q (B, T, N, H) and k (B, S, N, H), B = 2 for guidance:
 # SD 1.5 at 512x512 (heads 8 x 40 / 80 / 160), SDXL at 1024x1024 (heads of 64), SD 2's 64-token

@@ -35,7 +35,7 @@ def _bench() -> ModuleType:
 def test_torch_names_and_shapes_are_diffusers_own(name: str) -> None:
     """The writer's names and shapes for our parameters are exactly those of the oracle's
     checkpoints, which diffusers' and transformers' save_pretrained wrote."""
-    from worker.families import detect
+    from diffusion.families import detect
 
     bench, folder = _bench(), ORACLE / name / "model"
     family = detect(str(folder), json.loads((folder / "model_index.json").read_text()))

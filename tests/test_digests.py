@@ -1,4 +1,4 @@
-"""worker/digests.py: a weights file's sha256 is remembered, and never reported for other bytes."""
+"""diffusion/digests.py: a weights file's sha256 is remembered, and never reported for other bytes."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.digests import file_sha256
+from diffusion.digests import file_sha256
 
 
 def sha256(data: bytes) -> str:

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from diffusion.models import LoadedModel
 from renderfarm.jobs import JobSpec
 from tests.conftest import STEPS
 from tests.test_reference import BATCHES, DATA, ORACLE, SAMPLER_BATCHES, loaded, representable, spec
 from worker.engine import Engine
-from worker.models import LoadedModel
 from worker.png import encode_png, paeth_filter
 
 TOLERANCE = 2  # out of 255, per channel (the contract)

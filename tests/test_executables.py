@@ -13,11 +13,11 @@ import jax
 import numpy as np
 import pytest
 
+from diffusion.models import LoadedModel
 from renderfarm.jobs import JobError, JobSpec
 from tests.conftest import STEPS
 from worker.engine import Engine, ShapeKey
 from worker.executables import ExecutableStore
-from worker.models import LoadedModel
 
 
 def spec(model: LoadedModel, **fields: object) -> JobSpec:

@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from diffusion.flops import PEAK_ENV, describe_rate, peak_flops, program_flops, unet_flops
 from tests.conftest import STEPS
 from worker.engine import ShapeKey
-from worker.flops import PEAK_ENV, describe_rate, peak_flops, program_flops, unet_flops
 
 
 def test_engine_counts_flops_of_each_compiled_shape(sd_engine) -> None:  # noqa: ANN001

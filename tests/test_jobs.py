@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from producer.ingest import build_jobs, read_prompt_file
+from renderfarm.ingest import build_jobs, read_prompt_file
 from renderfarm.jobs import JobError, JobSpec, parse_job
 
 GOOD = {"prompt": "a fox", "model": "m", "seed": 1}
@@ -107,7 +107,7 @@ def test_unknown_file_type(tmp_path: Path) -> None:
 
 
 def test_producer_side_imports_without_jax() -> None:
-    code = ("import sys, renderfarm_cli, renderfarm.jobs, renderfarm.storage, producer.ingest;"
+    code = ("import sys, renderfarm_cli, renderfarm.jobs, renderfarm.storage, renderfarm.ingest;"
             "sys.exit('jax' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 

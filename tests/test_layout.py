@@ -1,7 +1,8 @@
 """The architecture the package layout shows, kept by a test: the shared contracts
-(`renderfarm`) import neither side, producers never import the worker, only the entry point
-(`renderfarm_cli`) wires both, and no module imports itself back through others. Every
-import counts, the ones inside functions too."""
+(`renderfarm`) import neither side, producers never import the worker, the model layer
+(`diffusion`: pure JAX and numpy) imports nothing of the farm but the job contract and no
+queue or storage client, only the entry point (`renderfarm_cli`) wires both sides, and no
+module imports itself back through others. Every import counts, the ones inside functions too."""
 
 from __future__ import annotations
 
@@ -9,11 +10,16 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("renderfarm", "producer", "worker", "renderfarm_cli")
+PACKAGES = ("renderfarm", "producer", "diffusion", "worker", "renderfarm_cli")
 # package -> the packages it must not import
-FORBIDDEN = {"renderfarm": {"producer", "worker", "renderfarm_cli"},
-             "producer": {"worker", "renderfarm_cli"},
-             "worker": {"renderfarm_cli"}}
+FORBIDDEN = {"renderfarm": {"producer", "diffusion", "worker", "renderfarm_cli"},
+             "producer": {"diffusion", "worker", "renderfarm_cli"},
+             "diffusion": {"producer", "worker", "renderfarm_cli"},
+             "worker": {"producer", "renderfarm_cli"}}
+# What the model layer may use of the farm: the job contract's names and errors, nothing else.
+MODEL_LAYER_MAY_IMPORT = {"renderfarm.jobs"}
+# Queue, broker and storage clients, which the model layer never imports.
+FARM_LIBRARIES = {"celery", "kombu", "redis", "redbeat", "flower", "google", "prometheus_client", "pyarrow"}
 
 
 def modules() -> dict[str, Path]:
@@ -22,6 +28,17 @@ def modules() -> dict[str, Path]:
         for path in sorted((ROOT / package).rglob("*.py")):
             name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
             found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def libraries(path: Path) -> set[str]:
+    """The top-level names of everything `path` imports absolutely (project packages too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
     return found
 
 
@@ -91,6 +108,21 @@ def test_no_module_imports_a_side_it_must_not() -> None:
     assert bad == []
 
 
+def test_the_model_layer_stands_alone() -> None:
+    """diffusion/ is usable without the farm: of the farm only the job contract, and no queue,
+    broker or storage client, however deep the import."""
+    known = modules()
+    edges = graph()
+    farm = [f"{name} imports {target}" for name in edges if name.split(".")[0] == "diffusion"
+            for target in sorted(edges[name]) if target.split(".")[0] == "renderfarm"
+            and target not in MODEL_LAYER_MAY_IMPORT]
+    clients = [f"{name} imports {library}" for name, path in known.items() if name.split(".")[0] == "diffusion"
+               for library in sorted(libraries(path) & FARM_LIBRARIES)]
+    assert farm == [] and clients == []
+    assert {name for name in known if name.startswith("diffusion.")} >= {
+        "diffusion.models", "diffusion.nn.unet", "diffusion.schedulers", "diffusion.generate"}
+
+
 def test_no_import_cycles() -> None:
     assert cycles(graph()) == []
 
@@ -98,7 +130,9 @@ def test_no_import_cycles() -> None:
 def test_the_checks_see_what_they_check() -> None:
     """A cycle and a forbidden import are found when they are there (the walk is not blind)."""
     edges = graph()
-    assert "renderfarm.jobs" in edges["producer.ingest"]  # a plain import
+    assert "renderfarm.jobs" in edges["renderfarm.ingest"]  # a plain import
     assert "worker.engine" in edges["worker.commands"]  # an import inside a function
-    assert "worker.families.sd" in edges["worker.families"]  # `from package import module`
+    assert "diffusion.families.sd" in edges["diffusion.families"]  # `from package import module`
+    assert "google" in libraries(ROOT / "renderfarm" / "storage" / "gcs.py")  # a client library
+    assert "jax" in libraries(ROOT / "diffusion" / "generate.py")
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -1,4 +1,4 @@
-"""Loading to the devices (worker/weights.py's device path, which load_model runs): the same
+"""Loading to the devices (diffusion/weights.py's device path, which load_model runs): the same
 parameters, bit for bit, as the host path (numpy, tensor by tensor: what the loader did before),
 whether they are permuted and cast on the devices (accelerators) or in the reading threads (CPU
 devices), for every source the loader takes (folders and their fp16/bf16 variants, sharded
@@ -23,12 +23,12 @@ from flax.traverse_util import flatten_dict
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors.numpy import load_file, save_file
 
+from diffusion import weights
+from diffusion.convert import WeightsError
+from diffusion.families import detect
+from diffusion.models import LoadedModel, load_model, replicated
+from diffusion.weights import TensorInfo, load_tensors, read_header
 from renderfarm.jobs import JobError
-from worker import weights
-from worker.convert import WeightsError
-from worker.families import detect
-from worker.models import LoadedModel, load_model, replicated
-from worker.weights import TensorInfo, load_tensors, read_header
 
 DATA = Path(__file__).parent / "data"
 ORACLE = DATA / "oracle"
@@ -84,7 +84,7 @@ def test_folders_load_as_the_old_loader_did_bit_for_bit(model: str, variant: str
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("family", ["sd2", "sdxl"])
 def test_single_files_with_transposed_views_load_as_before(family: str, dtype: str, mode: str) -> None:
-    """SD 2.x and XL single files hold OpenCLIP's text projection transposed (worker/single_file.py)."""
+    """SD 2.x and XL single files hold OpenCLIP's text projection transposed (diffusion/single_file.py)."""
     args = (str(SINGLE / f"{family}.safetensors"), dtype)
     base = str(ORACLE / family / "model")
     assert_same_bits(load_model(*args, base=base).params, reference(*args, base=base).params)
@@ -234,9 +234,9 @@ def test_cpu_devices_convert_in_the_reading_threads_and_accelerators_on_the_devi
 def test_load_model_places_the_weights_on_the_devices_asked_and_logs_the_load(
         caplog: pytest.LogCaptureFixture) -> None:
     folder = str(ORACLE / "sdxl" / "model")
-    with caplog.at_level(logging.INFO, logger="worker.models"):
+    with caplog.at_level(logging.INFO, logger="diffusion.models"):
         model = load_model(folder, "bfloat16", "bf16", devices=jax.local_devices()[:2])
-    [line] = [r.getMessage() for r in caplog.records if r.name == "worker.models"]
+    [line] = [r.getMessage() for r in caplog.records if r.name == "diffusion.models"]
     leaves = jax.tree.leaves(model.params)
     assert line.startswith(f"loaded {folder} (bfloat16) in ") and line.endswith(
         f" s: {len(leaves)} tensors, {sum(x.nbytes for x in leaves) / 1e9:.2f} GB on 2 devices")

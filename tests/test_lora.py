@@ -1,4 +1,4 @@
-"""worker/lora.py: LoRA files (diffusers/PEFT and kohya layouts) -> weight deltas, held to diffusers.
+"""diffusion/lora.py: LoRA files (diffusers/PEFT and kohya layouts) -> weight deltas, held to diffusers.
 
 tests/data/lora (tests/oracle/lora.py) holds one LoRA per tiny pipeline (sd1, sdxl) in both layouts: the
 PEFT file saved by diffusers' `save_lora_weights` (alphas in its LoraConfig metadata), the kohya file with
@@ -20,9 +20,9 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
+from diffusion.lora import Lora, _sgm_names, read_lora
+from diffusion.weights import WeightsError, read_header
 from renderfarm.jobs import JobError
-from worker.lora import Lora, _sgm_names, read_lora
-from worker.weights import WeightsError, read_header
 
 DATA = Path(__file__).parent / "data"
 LORAS = DATA / "lora"

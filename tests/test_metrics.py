@@ -15,13 +15,13 @@ import pytest
 import redis
 from prometheus_client import generate_latest
 
+from diffusion.flops import PEAK_ENV
 from producer.submit import submit
 from renderfarm.progress import Progress
 from renderfarm.queue import TASK_NAME, job_message, priority_list, queue_name
 from tests.conftest import STEPS
 from tests.farm import WorkerProcess, farm_app, jobs, wait_done, wait_for
 from tests.redis_server import RedisServer, free_port
-from worker.flops import PEAK_ENV
 from worker.metrics import WorkerMetrics
 
 
@@ -88,7 +88,7 @@ def test_a_taken_port_is_refused_clearly(redis_server: RedisServer, tiny_sd: Pat
 
 
 def test_peak_flops_and_the_fraction_of_peak(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fraction of peak comes from worker.flops' one table (GPUs too) or $RENDERFARM_PEAK_TFLOPS,
+    """The fraction of peak comes from diffusion.flops' one table (GPUs too) or $RENDERFARM_PEAK_TFLOPS,
     as the worker's log line does; a CPU has none."""
     assert WorkerMetrics("cpu", 8).peak is None
     assert WorkerMetrics("NVIDIA H100 80GB HBM3", 1).peak == pytest.approx(989e12)

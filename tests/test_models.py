@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -14,11 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from diffusion.models import LoadedModel, _bucket_opener, contained, load_model, resolve_file, set_bucket_opener
+from diffusion.schedulers import make
 from renderfarm.jobs import JobError
 from renderfarm.storage import open_storage
 from tests.gcs_emulator import GcsEmulator
-from worker.models import LoadedModel, contained, load_model
-from worker.schedulers import make
 
 
 def same_params(a: LoadedModel, b: LoadedModel) -> bool:
@@ -33,7 +34,24 @@ def test_local_folder(sd_model: LoadedModel, sdxl_model: LoadedModel) -> None:
     assert [name for name, _ in sdxl_model.networks.modules] == ["text_encoder", "text_encoder_2", "unet", "vae"]
 
 
-def test_gcs_folder_copied_once(tiny_sd: Path, sd_model: LoadedModel, gcs: GcsEmulator) -> None:
+@pytest.fixture
+def buckets() -> Iterator[None]:
+    """gs:// references read through the farm's storage layer, as `renderfarm worker` and `render` set it."""
+    set_bucket_opener(open_storage)
+    yield
+    _bucket_opener.clear()
+
+
+def test_a_bucket_reference_without_a_bucket_reader_is_refused_by_name() -> None:
+    """The model layer imports no storage client: a program that set no reader is told so."""
+    assert not _bucket_opener
+    with pytest.raises(JobError, match=r"model='gs://models/x': .*no bucket reader.*set_bucket_opener"):
+        load_model("gs://models/x")
+    with pytest.raises(JobError, match=r"loras='gs://weights/l.safetensors': .*no bucket reader"):
+        resolve_file("gs://weights/l.safetensors", "loras")
+
+
+def test_gcs_folder_copied_once(buckets: None, tiny_sd: Path, sd_model: LoadedModel, gcs: GcsEmulator) -> None:
     gcs.create_bucket("models")
     bucket = open_storage("gs://models/tiny-sd")
     for path in tiny_sd.rglob("*"):
@@ -88,7 +106,7 @@ def test_object_names_that_leave_the_model_folder_are_refused(name: str) -> None
 
 
 def test_a_gcs_folder_with_an_object_named_outside_it_is_refused_before_anything_is_written(
-        tiny_sd: Path, gcs: GcsEmulator) -> None:
+        buckets: None, tiny_sd: Path, gcs: GcsEmulator) -> None:
     from renderfarm.storage import make_gcs_client
 
     gcs.create_bucket("hostile-models")
@@ -107,7 +125,7 @@ def test_the_worker_imports_no_torch_diffusers_or_transformers() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, worker.engine, worker.models, worker.farm, worker.tiny, worker.commands\n"
+    code = ("import sys, worker.engine, diffusion.models, worker.farm, diffusion.tiny, worker.commands\n"
             "bad = sorted(m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules)\n"
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -118,7 +136,7 @@ def test_the_hub_gives_configs_tokenizer_files_and_the_asked_weights_only() -> N
     select of a typical SDXL repo: never a pickle, never another variant's weights."""
     from fnmatch import fnmatch
 
-    from worker.models import hub_patterns
+    from diffusion.models import hub_patterns
 
     repo = ["model_index.json", "scheduler/scheduler_config.json", "tokenizer/vocab.json", "tokenizer/merges.txt",
             "tokenizer/special_tokens_map.json", "text_encoder/config.json", "text_encoder/model.safetensors",
@@ -145,7 +163,7 @@ def test_the_hub_gives_configs_tokenizer_files_and_the_asked_weights_only() -> N
 def test_weights_digests_are_computed_once_per_file(tmp_path: Path) -> None:
     """A restarted worker does not re-hash gigabytes: a file's sha256 is kept by its path, size
     and mtime (the cache is believed: a forged entry comes back), and hashed again once it changes."""
-    from worker.digests import file_sha256
+    from diffusion.digests import file_sha256
 
     cache = tmp_path / "cache" / "sha256.json"
     weights = tmp_path / "w.safetensors"
@@ -166,7 +184,7 @@ SINGLE = Path(__file__).parent / "data" / "single_file" / "sd1.safetensors"
 LORA = Path(__file__).parent / "data" / "lora" / "sd1" / "kohya.safetensors"
 
 
-def test_single_files_and_loras_from_gcs_and_the_hub(gcs: GcsEmulator, tmp_path: Path) -> None:
+def test_single_files_and_loras_from_gcs_and_the_hub(buckets: None, gcs: GcsEmulator, tmp_path: Path) -> None:
     """A single file and a LoRA load the same from a path, gs:// (copied once into the cache)
     and a hub file `org/repo/x.safetensors@revision` (the hub's cache, offline); the sidecar
     digests name the same bytes whatever the reference."""

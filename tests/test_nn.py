@@ -1,4 +1,4 @@
-"""worker/nn: parameter trees equal to diffusers'/transformers' Flax classes, outputs equal to
+"""diffusion/nn: parameter trees equal to diffusers'/transformers' Flax classes, outputs equal to
 their PyTorch modules (tests/data/nn/, written by tests/oracle/nn.py) and, where the Flax
 classes compute the same thing, to the Flax classes on the same weights. No torch needed."""
 
@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from worker.nn.attention import LAYOUTS, attention, use_layout
-from worker.nn.clip import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
-from worker.nn.unet import GroupNorm, LayerNorm, UNet2DConditionModel, UNetConfig
-from worker.nn.vae import AutoencoderKL, VAEConfig
+from diffusion.nn.attention import LAYOUTS, attention, use_layout
+from diffusion.nn.clip import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+from diffusion.nn.unet import GroupNorm, LayerNorm, UNet2DConditionModel, UNetConfig
+from diffusion.nn.vae import AutoencoderKL, VAEConfig
 
 DATA = Path(__file__).parent / "data" / "nn"
 KEY = jax.random.PRNGKey(0)

@@ -23,9 +23,9 @@ import pytest
 from flax.serialization import msgpack_serialize
 from PIL import Image
 
+from diffusion.models import LoadedModel, load_model
 from renderfarm.jobs import JobError, JobSpec
 from worker.engine import Engine
-from worker.models import LoadedModel, load_model
 
 DATA = Path(__file__).parent / "data"
 ORACLE = DATA / "oracle"

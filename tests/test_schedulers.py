@@ -1,4 +1,4 @@
-"""worker.schedulers against PyTorch diffusers 0.42.1: the same configs, the same denoising loop and the
+"""diffusion.schedulers against PyTorch diffusers 0.42.1: the same configs, the same denoising loop and the
 same fake UNet as tests/oracle/schedulers.py, which wrote tests/data/schedulers/ (no torch here)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from worker.schedulers import SCHEDULERS, Scheduler, make
+from diffusion.schedulers import SCHEDULERS, Scheduler, make
 
 DATA = Path(__file__).parent / "data" / "schedulers"
 REFERENCE = json.loads((DATA / "cases.json").read_text(encoding="utf-8"))
@@ -22,7 +22,7 @@ TRAJECTORIES = np.load(DATA / "trajectories.npz")
 NOISE = jnp.asarray(TRAJECTORIES["noise"])
 CASES = {case["id"]: case for case in REFERENCE["cases"]}
 # The longest run of each config (cases come in increasing step counts) goes through jit +
-# fori_loop as worker.generate runs it; compiling every case would take half a minute, so the
+# fori_loop as diffusion.generate runs it; compiling every case would take half a minute, so the
 # others make the same calls op by op, with the same int32 array index.
 JITTED = set({(c["scheduler"], c["config"]): c["id"] for c in REFERENCE["cases"] if "error" not in c}.values())
 # Differences are measured against the largest |sample| of the run (noise * init_noise_sigma
@@ -49,7 +49,7 @@ def scheduler_for(case: dict[str, Any]) -> Scheduler:
 
 
 def denoise(scheduler: Scheduler, state: Any, noise: jax.Array, dtype: Any = jnp.float32) -> tuple[jax.Array, Any]:
-    """The pipeline's loop as worker.generate runs it (fori_loop over the model evaluations), with
+    """The pipeline's loop as diffusion.generate runs it (fori_loop over the model evaluations), with
     the UNet's input and output in `dtype`; returns the sample after every evaluation and the state."""
     latents = noise * state.init_noise_sigma
     trajectory = jnp.zeros((state.timesteps.shape[0], *noise.shape), latents.dtype)

@@ -16,13 +16,13 @@ import pytest
 from flax.traverse_util import flatten_dict
 from safetensors.numpy import load_file, save_file
 
+from diffusion.convert import WeightsError
+from diffusion.models import LoadedModel, load_model
+from diffusion.single_file import SingleFile, read_single_file
+from diffusion.weights import ST_DTYPES, TensorInfo, read_header, read_tensor
 from renderfarm.jobs import JobError
 from tests.test_reference import BATCHES, ORACLE, TOLERANCE, max_diffs
-from worker.convert import WeightsError
 from worker.engine import Engine
-from worker.models import LoadedModel, load_model
-from worker.single_file import SingleFile, read_single_file
-from worker.weights import ST_DTYPES, TensorInfo, read_header, read_tensor
 
 SINGLE = Path(__file__).parent / "data" / "single_file"
 FAMILIES = ("sd1", "sd2", "sdxl")

@@ -8,10 +8,10 @@ import pathlib
 import numpy as np
 import pytest
 
+from diffusion.models import load_model
+from diffusion.tiny import build_tiny_model
 from renderfarm.jobs import JobSpec
 from worker.engine import Engine
-from worker.models import load_model
-from worker.tiny import build_tiny_model
 
 
 def _files(path: pathlib.Path) -> dict[str, bytes]:

@@ -1,4 +1,4 @@
-"""worker/tokenizer.py against transformers 5.23's CLIPTokenizer, whose ids for hard prompts in each
+"""diffusion/tokenizer.py against transformers 5.23's CLIPTokenizer, whose ids for hard prompts in each
 kind of tokenizer folder (SD 1.x, SD 2.x, SDXL's two, the tiny byte-level ones) are committed in
 tests/data/tokenizer/ by tests/oracle/tokenizer.py. No torch or transformers needed."""
 
@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from diffusion.tokenizer import CLIPTokenizer, TokenizerError
 from tests.oracle.tokenizer import (
     CLIP_FOLDERS,
     MERGES_SHA256,
@@ -22,7 +23,6 @@ from tests.oracle.tokenizer import (
     read_merges,
     vocab_json,
 )
-from worker.tokenizer import CLIPTokenizer, TokenizerError
 
 DATA = Path(__file__).parent / "data"
 REFERENCE = json.loads((DATA / "tokenizer" / "ids.json").read_text(encoding="utf-8"))
@@ -156,8 +156,8 @@ def test_broken_folders_name_the_file(folders: dict[str, Path], tmp_path: Path, 
 
 
 def test_tiny_models_tokenizer_folders_are_the_committed_ones(tmp_path: Path) -> None:
-    """worker/tiny.py writes the folders whose ids are committed (as transformers saved them)."""
-    from worker.tiny import _tokenizer_files
+    """diffusion/tiny.py writes the folders whose ids are committed (as transformers saved them)."""
+    from diffusion.tiny import _tokenizer_files
 
     for name, pad in TINY_FOLDERS.items():
         _tokenizer_files(tmp_path / name, pad)

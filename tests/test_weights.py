@@ -1,10 +1,10 @@
-"""worker/weights.py and worker/convert.py: checkpoint files -> the Flax parameter trees.
+"""diffusion/weights.py and diffusion/convert.py: checkpoint files -> the Flax parameter trees.
 
 The PyTorch names come from tests/data/weights/*.json (tests/oracle/weights.py: the names and
 shapes diffusers 0.42 / transformers 5.23 really save for tiny SD 1.x/2.x/XL UNets, a VAE and the
 CLIP text encoders). Each test builds a state dict with those names and shapes and random values,
 writes it with the `safetensors` package, and loads it into the trees of diffusers 0.39's and
-transformers 4.57's Flax classes, the trees our worker/nn modules keep. No torch here.
+transformers 4.57's Flax classes, the trees our diffusion/nn modules keep. No torch here.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from flax.traverse_util import flatten_dict
 from huggingface_hub.serialization import split_state_dict_into_shards_factory
 from safetensors.numpy import load_file, save_file
 
+from diffusion import weights
+from diffusion.weights import MAX_HEADER, WeightsError, load_weights
 from renderfarm.jobs import JobError
-from worker import weights
-from worker.weights import MAX_HEADER, WeightsError, load_weights
 
 DATA = Path(__file__).parent / "data" / "weights"
 ENTRIES = {path.stem: json.loads(path.read_text(encoding="utf-8")) for path in sorted(DATA.glob("*.json"))}
@@ -283,7 +283,7 @@ def test_sharded_index_must_agree_with_shards(tmp_path: Path, case: str) -> None
 
 
 def test_msgpack_folder_loads_unchanged(tiny_sd: Path) -> None:
-    """Today's Flax checkpoints (worker.tiny's msgpack folders) load as they are."""
+    """Today's Flax checkpoints (diffusion.tiny's msgpack folders) load as they are."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from diffusers import FlaxAutoencoderKL, FlaxUNet2DConditionModel

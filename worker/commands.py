@@ -10,10 +10,13 @@ import logging
 import os
 import re
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from renderfarm.flags import broker_flag, job_defaults, job_flags, weights_flags
 from renderfarm.jobs import DTYPES, SCHEDULERS, SPACINGS, JobError, parse_loras
+
+if TYPE_CHECKING:
+    from diffusion.models import LoadedModel
 
 SHAPE_RE = re.compile(r"(\d+)x(\d+)@(\d+)((?::[\w-]+)*)")
 CFG_FREE = "cfg-free"  # a --precompile option: the program of jobs with guidance <= 1
@@ -44,6 +47,15 @@ def parse_shapes(text: str) -> list[dict[str, Any]]:
     return shapes
 
 
+def load_named_model(args: argparse.Namespace) -> LoadedModel:
+    """The model the command line names; gs:// references are read through the farm's storage layer."""
+    from diffusion.models import load_model, set_bucket_opener
+    from renderfarm.storage import open_storage
+
+    set_bucket_opener(open_storage)
+    return load_model(args.model, args.dtype, args.variant, args.base, parse_loras(args.loras))
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     from celery.apps.worker import Worker
 
@@ -57,14 +69,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from worker.engine import Engine, enable_compilation_cache
     from worker.executables import ExecutableStore
     from worker.farm import Batcher, Processor, drain_step, node_name, render_task
-    from worker.models import load_model
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     shapes = parse_shapes(args.precompile or "")
     settings = Settings.from_env(broker_url=args.broker)
     cache = enable_compilation_cache(args.compile_cache, max_bytes=args.compile_cache_max_gb * 2**30)
     started = time.perf_counter()
-    model = load_model(args.model, args.dtype, args.variant, args.base, parse_loras(args.loras))
+    model = load_named_model(args)
     log = logging.getLogger("renderfarm.worker")
     log.info("%s (%s) loaded in %.1fs", model.ref, model.dtype, time.perf_counter() - started)
     engine = Engine(model, per_device_batch=args.per_device_batch, max_programs=args.max_programs,
@@ -123,7 +134,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    from producer.ingest import build_jobs, prompt_rows
+    from renderfarm.ingest import build_jobs, prompt_rows
     from renderfarm.storage import open_storage
 
     rows = prompt_rows(args.prompts_args, args.prompts)
@@ -133,10 +144,9 @@ def cmd_render(args: argparse.Namespace) -> int:
     from worker.engine import Engine, enable_compilation_cache
     from worker.executables import ExecutableStore
     from worker.local import render_to_storage
-    from worker.models import load_model
 
     cache = enable_compilation_cache(args.compile_cache)
-    model = load_model(args.model, args.dtype, args.variant, args.base, parse_loras(args.loras))
+    model = load_named_model(args)
     specs = list(build_jobs(itertools.chain(first, rows), job_defaults(args), args.seed, model.size_step))
     engine = Engine(model, per_device_batch=args.per_device_batch, executables=ExecutableStore(cache / "executables"))
     engine.plan(specs)  # the model's own rules (sampler, size) refuse a job before anything is written
@@ -154,8 +164,8 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def cmd_tiny_model(args: argparse.Namespace) -> int:
-    from worker.families import FAMILIES
-    from worker.tiny import build_tiny_model
+    from diffusion.families import FAMILIES
+    from diffusion.tiny import build_tiny_model
 
     if args.kind not in FAMILIES:
         raise JobError("kind", args.kind, f"must be one of {', '.join(FAMILIES)}")
@@ -179,7 +189,7 @@ def compile_cache_flag(parser: argparse.ArgumentParser) -> None:
 def register(sub: argparse._SubParsersAction) -> None:
     tiny = sub.add_parser("tiny-model", help="build a tiny random-weight pipeline (tests, demos)")
     tiny.add_argument("dir", help="the folder to write it to")
-    tiny.add_argument("--kind", default="sd", help="the model family, as worker/families names it (default sd)")
+    tiny.add_argument("--kind", default="sd", help="the model family, as diffusion/families names it (default sd)")
     tiny.add_argument("--seed", type=int, default=0, help="the weights' seed: the same seed, the same files (default 0)")
     tiny.set_defaults(handler=cmd_tiny_model)
 

@@ -1,6 +1,6 @@
 """The engine: one loaded model, its parameters on every local device, and one compiled
 program per shape key. Host-side only: it tokenizes, makes seeds into keys, pads batches
-and calls the jitted functions of `worker.generate`.
+and calls the jitted functions of `diffusion.generate`.
 
 Data parallelism is `jax.jit` of a `shard_map` over a one-axis device mesh: the batch axis
 of every input is split over devices, parameters are replicated, and each device runs the
@@ -29,12 +29,12 @@ import numpy as np
 from flax.errors import FlaxError
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from diffusion.flops import denoise_flops, program_flops, unet_flops
+from diffusion.generate import Inputs, Output, Static
+from diffusion.models import LoadedModel
+from diffusion.schedulers import Scheduler, make
 from renderfarm.jobs import JobError, JobSpec, check_sampler, sampler_label
 from worker.executables import ExecutableStore, fingerprint, private_folder
-from worker.flops import denoise_flops, program_flops, unet_flops
-from worker.generate import Inputs, Output, Static
-from worker.models import LoadedModel
-from worker.schedulers import Scheduler, make
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +81,7 @@ class Rendered:
     key: ShapeKey
     truncated: bool
     batch: Batch
-    scanlines: np.ndarray | None = None  # its PNG scanlines, filtered by the devices (worker.generate)
+    scanlines: np.ndarray | None = None  # its PNG scanlines, filtered by the devices (diffusion.generate)
 
 
 def enable_compilation_cache(folder: str | os.PathLike | None = None, max_bytes: float = 10 * 2**30) -> Path:

@@ -40,6 +40,7 @@ from celery.worker.request import Request, create_request_cls
 from celery.worker.state import task_accepted, task_ready, task_reserved
 from kombu.utils.json import dumps
 
+from diffusion.flops import describe_rate
 from renderfarm import deadletters
 from renderfarm.fleet import record_batch
 from renderfarm.gallery import Refresher
@@ -50,7 +51,6 @@ from renderfarm.queue import ENQUEUED_HEADER, TASK_NAME
 from renderfarm.settings import Settings
 from renderfarm.storage import Storage
 from worker.engine import Engine, InFlight, Rendered, ShapeKey
-from worker.flops import describe_rate
 from worker.metrics import WorkerMetrics
 from worker.output import BatchWriter
 

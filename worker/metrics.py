@@ -16,8 +16,8 @@ from typing import Any
 import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from diffusion.flops import peak_flops
 from renderfarm.queue import priority_lists
-from worker.flops import peak_flops
 
 FAILURE_REASONS = ("invalid", "render", "storage", "attempts")
 SECONDS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -29,7 +29,7 @@ class WorkerMetrics:
 
     def __init__(self, device_kind: str, devices: int) -> None:
         self.registry = r = CollectorRegistry()
-        # One peak for the log and Prometheus (worker.flops: the table or $RENDERFARM_PEAK_TFLOPS);
+        # One peak for the log and Prometheus (diffusion.flops: the table or $RENDERFARM_PEAK_TFLOPS);
         # a device kind it does not know (CPU) exports no fraction of peak.
         peak = peak_flops(device_kind)
         self.peak = None if peak is None else peak * devices

@@ -24,13 +24,13 @@ from typing import Any
 import jax
 from PIL import Image
 
+from diffusion.models import LoadedModel
 from renderfarm.gallery import store_thumbnail
 from renderfarm.jobs import JobError
 from renderfarm.layout import image_name, sidecar_name
 from renderfarm.manifest import open_manifest
 from renderfarm.storage import Storage
 from worker.engine import Rendered
-from worker.models import LoadedModel
 from worker.png import encode_png
 
 LIBRARIES = ("renderfarm", "jax", "jaxlib", "flax", "tokenizers")

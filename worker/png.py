@@ -7,7 +7,7 @@ applies the Paeth filter to the whole image with NumPy and deflates at level 1 w
 run-length strategy, through zlib-ng (the same format and sizes as zlib, faster:
 `bench/png.py` prints both): several times faster than Pillow, and on photographs within a few percent of its
 size (`bench/png.py` measures both on real photos and on noise). In the worker the devices
-filter (worker.generate.png_scanlines: nothing to them, a NumPy pass per image to the host),
+filter (diffusion.generate.png_scanlines: nothing to them, a NumPy pass per image to the host),
 so the host only deflates; NumPy and zlib-ng release the GIL, so the store threads encode
 in parallel.
 
@@ -63,7 +63,7 @@ def encode_png(pixels: np.ndarray, text: dict[str, str] | None = None,
     """An RGB or RGBA PNG of `pixels` ((H, W, 3 or 4) uint8), with `text` as tEXt chunks
     (Latin-1 keys and values, as the PNG standard requires). `scanlines`, if given, are
     the pixels' rows already filtered ((H, 1 + W*C) uint8, each led by its filter type,
-    as the devices return them: worker.generate.png_scanlines); only deflating is left."""
+    as the devices return them: diffusion.generate.png_scanlines); only deflating is left."""
     if pixels.dtype != np.uint8 or pixels.ndim != 3 or pixels.shape[2] not in (3, 4):
         raise ValueError(f"pixels must be (H, W, 3 or 4) uint8, not {pixels.shape} {pixels.dtype}")
     height, width, channels = pixels.shape

@@ -32,7 +32,7 @@ an alpha of their own: (alpha / rank) is per module. Within the text encoders an
 layers alpha is uniform, because diffusers 0.42 ignores a kohya attention projection's alpha, or a
 CLIPTextModel module's, that differs from the file's most common one (`_get_alpha_name` keys it
 `...to_q_lora.down.weight.alpha`, an alpha_pattern no module matches; PEFT warns and uses lora_alpha).
-worker/lora.py honours it.
+diffusion/lora.py honours it.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""Reference outputs of diffusers' / transformers' PyTorch modules for worker/nn.
+"""Reference outputs of diffusers' / transformers' PyTorch modules for diffusion/nn.
 
 `write(data)` runs in the oracle venv and rebuilds `data/nn/`: one `<name>.npz` per tiny model,
 
     config      the model's config.json (a JSON string), as `from_dict` reads it
     params      its weights, all in one float16 vector (exactly the values the PyTorch module ran
-                with), converted to the Flax names and layouts worker/nn uses
+                with), converted to the Flax names and layouts diffusion/nn uses
     index       [["/"-joined Flax path, shape], ...] (a JSON string): how `params` splits, in order
     in/...      the inputs it was run on
     out/...     what the PyTorch module returned (float32, CPU)

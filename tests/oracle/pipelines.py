@@ -122,7 +122,7 @@ def _special(content: str, normalized: bool = True) -> dict[str, Any]:
 def tokenizer_files(pad_token: str) -> dict[str, str]:
     """A byte-level CLIP BPE without merges (every UTF-8 byte a token), as transformers 4.57 saves it.
 
-    The same vocabulary as worker/tiny.py's `_tokenizer`: the 256 byte characters, their `</w>` forms,
+    The same vocabulary as diffusion/tiny.py's `_tokenizer`: the 256 byte characters, their `</w>` forms,
     then <|startoftext|> (512) and <|endoftext|> (513). `pad_token` is "<|endoftext|>" (SD 1.x) or "!"
     (SD 2.x's tokenizer and SDXL's tokenizer_2, as in the real checkpoints).
     """

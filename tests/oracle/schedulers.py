@@ -1,4 +1,4 @@
-"""Reference runs for worker/schedulers/: PyTorch diffusers 0.42.1's schedulers in the loop its SD
+"""Reference runs for diffusion/schedulers/: PyTorch diffusers 0.42.1's schedulers in the loop its SD
 pipelines run, with a fake UNet.
 
 `write(data)` runs in the oracle venv and rewrites `data/schedulers/`:

@@ -1,4 +1,4 @@
-"""Reference ids for worker/tokenizer.py: what transformers 5.23's `CLIPTokenizer` (the tokenizer
+"""Reference ids for diffusion/tokenizer.py: what transformers 5.23's `CLIPTokenizer` (the tokenizer
 diffusers' PyTorch pipelines load) gives for hard prompts, for each kind of tokenizer folder.
 
 `write(data)` runs in the oracle venv (transformers 5.23) and writes `data/tokenizer/`. The tests
@@ -70,7 +70,7 @@ CLIP_FOLDERS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
                _special_map("!", eos_normalized=False)),
 }
 
-# worker/tiny.py's byte-level tokenizers as transformers 4.57's save_pretrained writes them.
+# diffusion/tiny.py's byte-level tokenizers as transformers 4.57's save_pretrained writes them.
 TINY_FOLDERS = {
     "tiny": EOS,
     "tiny_2": "!",
@@ -173,7 +173,7 @@ def _dump(path: Path, value: Any, sort_keys: bool = False) -> None:
 
 
 def _write_tiny(folder: Path, pad: str) -> None:
-    """worker/tiny.py's tokenizer (every UTF-8 byte a token, no merges) as transformers 4.57 saves it."""
+    """diffusion/tiny.py's tokenizer (every UTF-8 byte a token, no merges) as transformers 4.57 saves it."""
     chars = list(bytes_to_unicode().values())
     tokens = chars + [c + "</w>" for c in chars] + [BOS, EOS]
     folder.mkdir(parents=True)

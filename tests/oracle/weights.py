@@ -1,4 +1,4 @@
-"""The tensor names and shapes real PyTorch checkpoints have, for worker/convert.py's tests.
+"""The tensor names and shapes real PyTorch checkpoints have, for diffusion/convert.py's tests.
 
 `write(data)` runs in the oracle venv (diffusers 0.42.1, transformers 5.23, torch) and writes
 `data/weights/<name>.json`, one per tiny model: its constructor arguments and every tensor name -> shape

@@ -1,6 +1,6 @@
 """Attention: the one place the model layer computes softmax(q k^T / sqrt(H)) v.
 
-Every attention in worker/nn (the UNet's self- and cross-attention, the VAE's mid-block
+Every attention in diffusion/nn (the UNet's self- and cross-attention, the VAE's mid-block
 attention, CLIP's causal self-attention) projects q, k and v itself and calls `attention`
 here, so the kernel is chosen once for all of them, per backend and shape, by `choose`.
 Softmax runs in float32 whatever the compute dtype, as PyTorch's `upcast_attention` /

@@ -4,7 +4,7 @@ LCM places its own timesteps: `steps` of them, evenly by index, from the `origin
 schedule the model was distilled on (`timestep_spacing` does not apply). Each step maps the sample
 straight to a consistency estimate of x0 (the boundary-condition scalings c_skip and c_out), then,
 except at the last step, noises it back to the next timestep with the step's own noise, drawn from
-the job's key (worker/generate.py) where PyTorch draws from its generator.
+the job's key (diffusion/generate.py) where PyTorch draws from its generator.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from worker.schedulers.common import F32, SchedulerConfig, const, data_prediction, threshold
+from diffusion.schedulers.common import F32, SchedulerConfig, const, data_prediction, threshold
 
 SIGMA_DATA = 0.5  # PyTorch's constant in the boundary-condition scalings
 

@@ -2,7 +2,7 @@
 
 The real checkpoints are gigabytes and need network access; these folders are a few megabytes,
 are built offline in a few seconds, and load through exactly the code real models load through
-(worker.models): a diffusers folder with model_index.json, each component's config.json, CLIP
+(diffusion.models): a diffusers folder with model_index.json, each component's config.json, CLIP
 tokenizer files, and weights in diffusers' Flax msgpack format (the oracle's checkpoints in
 tests/data/oracle are the PyTorch safetensors side). 64x64 native size, VAE scale factor 8.
 """
@@ -19,7 +19,7 @@ import numpy as np
 from flax.serialization import msgpack_serialize
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from worker.families import FAMILIES
+from diffusion.families import FAMILIES
 
 KINDS = tuple(FAMILIES)
 

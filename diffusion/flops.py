@@ -41,7 +41,7 @@ def program_flops(compiled: Any) -> float | None:
 
 
 def unet_flops(unet: Any, params: Any, batch: int, latent_height: int, latent_width: int) -> float | None:
-    """FLOPs of one call of a UNet (worker.nn.unet) on `batch` latents (2 per image with
+    """FLOPs of one call of a UNet (diffusion.nn.unet) on `batch` latents (2 per image with
     classifier-free guidance). Lowered, not compiled: seconds even for SDXL. `params` may be
     abstract (`jax.eval_shape(unet.init_params, key)`)."""
     config = unet.config

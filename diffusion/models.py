@@ -1,19 +1,23 @@
 """Model loading: one path for every model reference, so tests exercise what users run.
 
-A reference is a hub id (optionally `@revision`), a local diffusers folder, or a `gs://`
-folder copied once into a local cache; or one single-file checkpoint (`x.safetensors`:
-local, `gs://`, or `org/repo/x.safetensors[@revision]` on the hub) with a base pipeline
+A reference is a hub id (optionally `@revision`), a local diffusers folder, or a bucket
+folder (`gs://...`) copied once into a local cache; or one single-file checkpoint (`x.safetensors`:
+local, in a bucket, or `org/repo/x.safetensors[@revision]` on the hub) with a base pipeline
 for its configs and tokenizers. Every kind is first resolved to local files, then loaded by
-the same code: the family from model_index.json (worker/families), each component's network
-from its config.json (worker/nn), its weights from safetensors or Flax msgpack
-(worker/weights.py, worker/single_file.py; never a pickle) with any LoRAs merged
-(worker/lora.py), the tokenizers (worker/tokenizer.py) and the scheduler config. The
-sha256 of every weights file used is kept for the sidecars (worker/digests.py). Nothing
+the same code: the family from model_index.json (diffusion/families), each component's network
+from its config.json (diffusion/nn), its weights from safetensors or Flax msgpack
+(diffusion/weights.py, diffusion/single_file.py; never a pickle) with any LoRAs merged
+(diffusion/lora.py), the tokenizers (diffusion/tokenizer.py) and the scheduler config. The
+sha256 of every weights file used is kept for the sidecars (diffusion/digests.py). Nothing
 here imports torch, diffusers or transformers.
 
-The weights go straight to the devices, replicated (worker/weights.py's device path: files read
+The weights go straight to the devices, replicated (diffusion/weights.py's device path: files read
 in parallel, moved as stored, permuted and cast on the devices), and the load is logged:
 `loaded MODEL (DTYPE) in X s: N tensors, G GB on D devices`.
+
+Buckets are read through an opener the application registers for their scheme
+(`set_bucket_opener`; the farm sets its storage layer's), so the model
+layer imports no storage client.
 """
 
 from __future__ import annotations
@@ -28,9 +32,9 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -38,17 +42,14 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
-from renderfarm.jobs import DTYPES as JOB_DTYPES
-from renderfarm.jobs import SCHEDULERS, JobError, Lora, check_variant
-from renderfarm.storage import open_storage
-from worker.digests import file_sha256
-from worker.families import detect
-from worker.family import Family, Networks
-from worker.lora import Patch, read_lora
-from worker.schedulers import CLASS_NAMES
-from worker.single_file import check_family, read_single_file
-from worker.tokenizer import CLIPTokenizer, TokenizerError
-from worker.weights import (
+from diffusion.digests import file_sha256
+from diffusion.families import detect
+from diffusion.family import Family, Networks
+from diffusion.lora import Patch, read_lora
+from diffusion.schedulers import CLASS_NAMES
+from diffusion.single_file import check_family, read_single_file
+from diffusion.tokenizer import CLIPTokenizer, TokenizerError
+from diffusion.weights import (
     PICKLE_SUFFIXES,
     Delta,
     TensorInfo,
@@ -57,9 +58,11 @@ from worker.weights import (
     load_weights,
     safetensors_tensors,
 )
+from renderfarm.jobs import DTYPES as JOB_DTYPES
+from renderfarm.jobs import SCHEDULERS, JobError, Lora, check_variant
 
 DTYPES = {name: jnp.dtype(name) for name in JOB_DTYPES}
-DIGESTS = "sha256.json"  # in the model cache: worker/digests.py
+DIGESTS = "sha256.json"  # in the model cache: diffusion/digests.py
 # A single file's default base, by the family its tensors show: configs and tokenizers only.
 STANDARD_BASES = {"sd1": "stable-diffusion-v1-5/stable-diffusion-v1-5", "sd2": "stabilityai/stable-diffusion-2-1",
                   "sdxl": "stabilityai/stable-diffusion-xl-base-1.0"}
@@ -133,19 +136,45 @@ def contained(url: str, names: list[str]) -> list[str]:
     return names
 
 
-def _fetch_gcs_folder(url: str) -> Path:
-    """Copy a gs:// model folder into the local cache once (with a progress bar); a marker
+class Bucket(Protocol):
+    """What the loader needs of a bucket folder (renderfarm.storage.Storage has it)."""
+
+    def list(self, prefix: str) -> Iterable[str]: ...
+
+    def get(self, name: str) -> bytes: ...
+
+    def exists(self, name: str) -> bool: ...
+
+
+_bucket_opener: list[Callable[[str], Bucket]] = []  # the one the application set, if any
+
+
+def set_bucket_opener(opener: Callable[[str], Bucket]) -> None:
+    """Read gs:// model folders and files through `opener` (a folder URL -> its Bucket)."""
+    _bucket_opener[:] = [opener]
+
+
+def _open_bucket(url: str, field: str, ref: str) -> Bucket:
+    """The bucket folder `url`, for the reference `ref` in `field`."""
+    if not _bucket_opener:
+        raise JobError(field, ref, "names a bucket, but this program set no bucket reader "
+                                   "(diffusion.models.set_bucket_opener)")
+    return _bucket_opener[0](url)
+
+
+def _fetch_bucket_folder(url: str) -> Path:
+    """Copy a bucket's model folder into the local cache once (with a progress bar); a marker
     says the copy is whole."""
     target = cache_root() / hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:24]
     marker = target / ".complete"
     if marker.exists():
         return target
-    store = open_storage(url)
+    store = _open_bucket(url, "model", url)
     partial = target.with_name(target.name + f".partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
     names = contained(url, list(store.list("")))
     if not names:
-        raise JobError("model", url, "is an empty or missing gs:// folder")
+        raise JobError("model", url, "is an empty or missing bucket folder")
     with tqdm(total=len(names), unit="file", desc=f"copying {url}", file=sys.stderr) as bar:
         for name in names:
             dest = partial / name
@@ -171,7 +200,7 @@ def resolve(ref: str, variant: str | None = None, weights: bool = True) -> tuple
     """Any model reference -> (local diffusers folder, revision or None); from the hub, only
     its configs and tokenizer files when `weights` is False (a single file's base)."""
     if ref.startswith("gs://"):
-        return _fetch_gcs_folder(ref), None
+        return _fetch_bucket_folder(ref), None
     local = Path(ref.removeprefix("file://")).expanduser()
     if local.exists() or ref.startswith((".", "/", "~", "file://")):
         return local, None
@@ -202,7 +231,7 @@ def resolve_file(ref: str, field: str) -> tuple[Path, str | None]:
     if not name.lower().endswith(".safetensors"):
         raise JobError(field, ref, "must name a .safetensors file")
     if ref.startswith("gs://"):
-        return _fetch_gcs_file(ref, field), None
+        return _fetch_bucket_file(ref, field), None
     local = Path(ref.removeprefix("file://")).expanduser()
     if local.exists() or ref.startswith((".", "/", "~", "file://")):
         if not local.is_file():
@@ -220,13 +249,13 @@ def resolve_file(ref: str, field: str) -> tuple[Path, str | None]:
     return path, path.parents[len(parts) - 3].name  # .../snapshots/<commit>/path/x.safetensors
 
 
-def _fetch_gcs_file(url: str, field: str) -> Path:
-    """Copy one gs:// file into the local cache once (written whole, then renamed)."""
+def _fetch_bucket_file(url: str, field: str) -> Path:
+    """Copy one bucket file into the local cache once (written whole, then renamed)."""
     folder, _, name = url.rpartition("/")
     target = cache_root() / "files" / hashlib.sha256(url.encode()).hexdigest()[:24] / name
     if target.is_file():
         return target
-    store = open_storage(folder)
+    store = _open_bucket(folder, field, url)
     if not store.exists(name):
         raise JobError(field, url, "no such object")
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ and `scale_model_input` and `step` take the traced loop index, so one compiled l
 
 Two are stochastic (euler_a, lcm): each step adds fresh noise. PyTorch draws it from the pipeline's
 generator, one stream for the whole batch; here each job's step i draws
-`normal(fold_in(PRNGKey(seed), i))` (worker/generate.py), so a job's pixels stay its own in any
+`normal(fold_in(PRNGKey(seed), i))` (diffusion/generate.py), so a job's pixels stay its own in any
 batch, position or device count.
 """
 
@@ -21,16 +21,17 @@ from typing import Any, Protocol
 
 import jax
 
-from renderfarm.jobs import KARRAS_SCHEDULERS, check_sampler
+from diffusion.schedulers.common import SigmaScheduleConfig
+from diffusion.schedulers.ddim import DDIMScheduler, DDIMState
+from diffusion.schedulers.dpm import DPMScheduler, DPMState
+from diffusion.schedulers.euler import EulerScheduler, EulerState
+from diffusion.schedulers.euler_a import EulerAncestralScheduler, EulerAncestralState
+from diffusion.schedulers.lcm import LCMScheduler, LCMState
+from diffusion.schedulers.lms import LMSScheduler, LMSState
+from diffusion.schedulers.pndm import PNDMScheduler, PNDMState
+from renderfarm.jobs import KARRAS_SCHEDULERS
 from renderfarm.jobs import SCHEDULERS as CONTRACT_SCHEDULERS
-from worker.schedulers.common import SigmaScheduleConfig
-from worker.schedulers.ddim import DDIMScheduler, DDIMState
-from worker.schedulers.dpm import DPMScheduler, DPMState
-from worker.schedulers.euler import EulerScheduler, EulerState
-from worker.schedulers.euler_a import EulerAncestralScheduler, EulerAncestralState
-from worker.schedulers.lcm import LCMScheduler, LCMState
-from worker.schedulers.lms import LMSScheduler, LMSState
-from worker.schedulers.pndm import PNDMScheduler, PNDMState
+from renderfarm.jobs import check_sampler
 
 __all__ = [
     "CLASS_NAMES",

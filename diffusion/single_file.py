@@ -7,9 +7,9 @@ One `.safetensors` file holds the UNet (`model.diffusion_model.`), the VAE
 diffusers' `loaders/single_file_utils.py` (0.42.1: convert_ldm_unet_checkpoint,
 convert_ldm_vae_checkpoint, convert_ldm_clip_checkpoint, convert_open_clip_checkpoint), written
 as one rule per key, and every renamed tensor stays a view of the file's bytes
-(worker.weights.TensorInfo): a 1x1 conv read as a linear is the same bytes with another shape,
+(diffusion.weights.TensorInfo): a 1x1 conv read as a linear is the same bytes with another shape,
 OpenCLIP's fused q/k/v projection is three contiguous thirds, and its text projection is read
-transposed. Nothing is read here but the header; worker.weights checks every tensor against the
+transposed. Nothing is read here but the header; diffusion.weights checks every tensor against the
 network built from the base's configs (a tensor the model needs and the file lacks is reported
 there, by convert.fit).
 
@@ -33,9 +33,9 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
+from diffusion.convert import WeightsError, count, few
+from diffusion.weights import PICKLE_SUFFIXES, TensorInfo, read_header
 from renderfarm.jobs import shown
-from worker.convert import WeightsError, count, few
-from worker.weights import PICKLE_SUFFIXES, TensorInfo, read_header
 
 UNET, VAE = "model.diffusion_model.", "first_stage_model."
 # The text encoders' prefixes in each family's files -> (component, layout). "clip": already

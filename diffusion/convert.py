@@ -1,7 +1,7 @@
 """PyTorch checkpoint names -> our Flax parameter tree, by explicit rules.
 
 Real checkpoints are saved by diffusers' and transformers' PyTorch classes, while our modules
-(worker/nn) keep the parameter trees of diffusers 0.39's Flax UNet/VAE and transformers 4.57's
+(diffusion/nn) keep the parameter trees of diffusers 0.39's Flax UNet/VAE and transformers 4.57's
 Flax CLIP, so that today's Flax msgpack checkpoints load unchanged. The two naming schemes differ
 in a few regular ways, written out below instead of found by matching against a random tree:
 

@@ -3,7 +3,7 @@
 A worker loads whatever a diffusers pipeline folder holds, often downloaded from strangers, so
 the file formats are read by this module's own small code and checked before they are trusted:
 
-- safetensors (PyTorch layout and names, converted by worker/convert.py): an 8-byte little-endian
+- safetensors (PyTorch layout and names, converted by diffusion/convert.py): an 8-byte little-endian
   header length, a JSON header, then the data. The header is checked whole (length bound, JSON,
   dtypes, shapes, data offsets inside the file, no overlaps, sizes that match dtype x shape) and
   the shapes are matched against the model before any tensor data is read; the data is then read
@@ -46,9 +46,9 @@ from flax.core import unfreeze
 from flax.serialization import msgpack_restore
 from flax.traverse_util import flatten_dict, unflatten_dict
 
+from diffusion import convert
+from diffusion.convert import WeightsError
 from renderfarm.jobs import JobError, check_variant, shown
-from worker import convert
-from worker.convert import WeightsError
 
 STEMS = ("diffusion_pytorch_model", "model")  # diffusers models, transformers models
 FLAX_FILES = ("diffusion_flax_model.msgpack", "flax_model.msgpack")
@@ -95,7 +95,7 @@ class TensorInfo(NamedTuple):
     shape: tuple[int, ...]  # as the model sees it
     start: int  # absolute byte offset in the file
     nbytes: int
-    transposed: bool = False  # the bytes hold the 2-D transpose of `shape` (worker/single_file.py)
+    transposed: bool = False  # the bytes hold the 2-D transpose of `shape` (diffusion/single_file.py)
 
 
 def load_weights(folder: Path, component: str, kind: str, expected: Any, dtype: Any,

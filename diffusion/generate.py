@@ -1,5 +1,5 @@
 """Device-side code every family shares: the contract's latents, the denoising loop, the
-VAE decode, and the PNG filter. A family (worker/families) encodes its prompts and calls
+VAE decode, and the PNG filter. A family (diffusion/families) encodes its prompts and calls
 these; the engine jits the family's `generate` with everything static bound first.
 
 The loop is diffusers' PyTorch pipelines' (StableDiffusionPipeline and the XL one), the
@@ -23,10 +23,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from worker.family import Networks
-from worker.nn.unet import UNet2DConditionModel
-from worker.nn.vae import AutoencoderKL
-from worker.schedulers import Scheduler
+from diffusion.family import Networks
+from diffusion.nn.unet import UNet2DConditionModel
+from diffusion.nn.vae import AutoencoderKL
+from diffusion.schedulers import Scheduler
 
 
 class Inputs(NamedTuple):

@@ -3,7 +3,7 @@
 Each step goes deterministically down to sigma_down and adds fresh noise of scale sigma_up, so
 that the sample reaches sigmas[i + 1]. Both scales depend only on the schedule and are computed
 on the host in float32 as PyTorch computes them; the noise is the step's own draw from the job's
-key (worker/generate.py), where PyTorch draws from its generator.
+key (diffusion/generate.py), where PyTorch draws from its generator.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from worker.schedulers.common import (
+from diffusion.schedulers.common import (
     F32,
     SchedulerConfig,
     check_first_timestep,

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from worker.schedulers.common import F32, SchedulerConfig, check_timesteps, const
+from diffusion.schedulers.common import F32, SchedulerConfig, check_timesteps, const
 
 # PLMS weights of the newest outputs by how many are stored (Adams-Bashforth orders 1 to 4).
 _PLMS = {1: [1], 2: [3 / 2, -1 / 2], 3: [23 / 12, -16 / 12, 5 / 12], 4: [55 / 24, -59 / 24, 37 / 24, -9 / 24]}

@@ -19,9 +19,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from worker.nn import read_config, refuse
-from worker.nn.attention import attention
-from worker.nn.unet import Dtype, LayerNorm
+from diffusion.nn import read_config, refuse
+from diffusion.nn.attention import attention
+from diffusion.nn.unet import Dtype, LayerNorm
 
 ACTIVATIONS = {
     "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),  # OpenAI CLIP (SD 1.x, SDXL's first encoder)

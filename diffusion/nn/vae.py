@@ -15,9 +15,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from worker.nn import read_config, refuse
-from worker.nn.attention import attention
-from worker.nn.unet import DownBlock2D, Dtype, GroupNorm, ResnetBlock2D, UpBlock2D, conv
+from diffusion.nn import read_config, refuse
+from diffusion.nn.attention import attention
+from diffusion.nn.unet import DownBlock2D, Dtype, GroupNorm, ResnetBlock2D, UpBlock2D, conv
 
 EPS = 1e-6  # every GroupNorm of diffusers' VAE
 
@@ -47,7 +47,7 @@ class VAEConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> VAEConfig:
-        """From a diffusers config.json dict (PyTorch or Flax); see `worker.nn.read_config`."""
+        """From a diffusers config.json dict (PyTorch or Flax); see `diffusion.nn.read_config`."""
         return read_config(cls, d, cls.FIXED)
 
     def __post_init__(self) -> None:

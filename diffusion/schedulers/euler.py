@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from worker.schedulers.common import (
+from diffusion.schedulers.common import (
     F32,
     SigmaScheduleConfig,
     check_first_timestep,

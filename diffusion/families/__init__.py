@@ -1,4 +1,4 @@
-"""Model families: what the engine knows of a kind of model, one module each (worker/family.py
+"""Model families: what the engine knows of a kind of model, one module each (diffusion/family.py
 says what a family is).
 
 A family says which components a pipeline folder holds (their networks, config classes and
@@ -6,7 +6,7 @@ checkpoint naming), which tokenizers, which pipeline classes it answers to in
 `model_index.json`, and how it generates: encode the prompts, denoise, decode (its
 `generate`, device-side, jitted by the engine). The engine and the loader use nothing else
 of it, so the next family (Flux, with its transformer and T5 encoder) is one new module here
-plus what its checkpoints need in worker/convert.py.
+plus what its checkpoints need in diffusion/convert.py.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from diffusion.families import sd, sdxl
+from diffusion.family import Family
 from renderfarm.jobs import JobError
-from worker.families import sd, sdxl
-from worker.family import Family
 
 FAMILIES: dict[str, Family] = {family.name: family for family in (sd.FAMILY, sdxl.FAMILY)}
 

@@ -11,12 +11,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from worker.family import Component, Family, Networks
-from worker.generate import Inputs, Output, Static, denoise_and_decode
-from worker.nn.clip import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
-from worker.nn.unet import UNet2DConditionModel, UNetConfig
-from worker.nn.vae import AutoencoderKL, VAEConfig
-from worker.schedulers import Scheduler
+from diffusion.family import Component, Family, Networks
+from diffusion.generate import Inputs, Output, Static, denoise_and_decode
+from diffusion.nn.clip import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+from diffusion.nn.unet import UNet2DConditionModel, UNetConfig
+from diffusion.nn.vae import AutoencoderKL, VAEConfig
+from diffusion.schedulers import Scheduler
 
 
 def generate(nets: Networks, scheduler: Scheduler, static: Static, params: Any, inputs: Inputs) -> Output:

@@ -32,7 +32,7 @@ module's), and a diffusers file's `.alpha` tensors count (diffusers refuses the 
 
 CLIP modules match with or without the `text_model.` prefix (transformers 5 dropped it from CLIPTextModel,
 so diffusers' LoRAs of today lack it and older ones and kohya's have it). Nothing is trusted before it
-fits: the header is checked by worker.weights.read_header; every key must be understood, every down have
+fits: the header is checked by diffusion.weights.read_header; every key must be understood, every down have
 its up of the same rank, every alpha be one finite non-zero number of any integer or float dtype
 (diffusers' `convert_state_dict_to_kohya` writes int64 ones); then `Lora.fit` places each module on a
 weight of the model with its shape, or refuses naming the keys that do not fit. Pickle files (.ckpt,
@@ -53,9 +53,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from diffusion.convert import WeightsError, count, few
+from diffusion.weights import PICKLE_SUFFIXES, ST_DTYPES, TensorInfo, read_header, read_tensor
 from renderfarm.jobs import JobError, shown
-from worker.convert import WeightsError, count, few
-from worker.weights import PICKLE_SUFFIXES, ST_DTYPES, TensorInfo, read_header, read_tensor
 
 Shape = tuple[int, ...]
 

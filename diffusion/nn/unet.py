@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from worker.nn import read_config, refuse
-from worker.nn.attention import attention
+from diffusion.nn import read_config, refuse
+from diffusion.nn.attention import attention
 
 Dtype = Any  # a jnp dtype: the compute dtype of every module (parameters stay as given)
 
@@ -69,7 +69,7 @@ class UNetConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> UNetConfig:
-        """From a diffusers config.json dict (PyTorch or Flax); see `worker.nn.read_config`."""
+        """From a diffusers config.json dict (PyTorch or Flax); see `diffusion.nn.read_config`."""
         return read_config(cls, d, cls.FIXED)
 
     def __post_init__(self) -> None:

@@ -1,5 +1,5 @@
 """What a model family is: the components a pipeline folder holds, its tokenizers, the pipeline
-classes it answers to, and how it generates. The families themselves are worker/families."""
+classes it answers to, and how it generates. The families themselves are diffusion/families."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import flax.linen as nn
 @dataclasses.dataclass(frozen=True)
 class Component:
     """A network of a pipeline folder: its class, its config class (`from_dict`) and how its
-    checkpoints name their tensors (a worker.convert kind)."""
+    checkpoints name their tensors (a diffusion.convert kind)."""
 
     module: type[nn.Module]
     config: Any
