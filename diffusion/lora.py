@@ -34,7 +34,7 @@ CLIP modules match with or without the `text_model.` prefix (transformers 5 drop
 so diffusers' LoRAs of today lack it and older ones and kohya's have it). Nothing is trusted before it
 fits: the header is checked by diffusion.weights.read_header; every key must be understood, every down have
 its up of the same rank, every alpha be one finite non-zero number of any integer or float dtype
-(diffusers' `convert_state_dict_to_kohya` writes int64 ones); then `Lora.fit` places each module on a
+(diffusers' `convert_state_dict_to_kohya` writes int64 ones); then `LoraFile.fit` places each module on a
 weight of the model with its shape, or refuses naming the keys that do not fit. Pickle files (.ckpt,
 .pt, .bin, .pth) are refused by name, never opened.
 """
@@ -147,7 +147,7 @@ class Patch(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class Lora:
+class LoraFile:
     """A LoRA file read and checked on its own; `fit` / `deltas` place it on a model."""
 
     path: Path
@@ -211,7 +211,7 @@ def _checked_scale(scale: Any) -> float:
 
 # ---------------------------------------------------------------------------------------------- reading
 
-def read_lora(path: Path) -> Lora:
+def read_lora(path: Path) -> LoraFile:
     """Read and check a LoRA safetensors file (diffusers/PEFT or kohya layout, see the module docstring).
     Raises WeightsError naming the file and the keys for anything else: a pickle, a file that is not a
     LoRA, keys this reader does not know (LyCORIS' LoHa/LoKr, DoRA), a down without its up, ranks that
@@ -254,7 +254,7 @@ def read_lora(path: Path) -> Lora:
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
         modules = [_module(path, data, tensors, component, module, roles, configs.get(component), fmt)
                    for (component, module), roles in sorted(groups.items())]
-    return Lora(path, fmt, tuple(modules))
+    return LoraFile(path, fmt, tuple(modules))
 
 
 def _parse_kohya(name: str) -> tuple[str, str, str] | None:

@@ -46,8 +46,9 @@ from renderfarm.storage import open_storage
 SHOWN_BAD_ROWS = 10  # bad rows a run keeps to show; it always counts them all
 JOB_FIELDS = ("negative_prompt", "steps", "guidance_scale", "width", "height", "scheduler", "timestep_spacing",
               "karras", "dtype", "variant", "base", "loras", "priority")
-# model, width, height, steps, sampler (sampler_label), guided (classifier-free guidance: scale > 1)
-ShapeKey = tuple[str, int | None, int | None, int, str, bool]
+# A compiled program the jobs need: model, width, height, steps, sampler (sampler_label), guided
+# (classifier-free guidance: scale > 1)
+NeededProgram = tuple[str, int | None, int | None, int, str, bool]
 
 
 class SpecError(JobError):
@@ -255,7 +256,7 @@ class Scan:
     jobs: int = 0
     stored: int = 0  # jobs whose results are already in storage (when it was looked at)
     queued: int = 0  # jobs storage lacks that are open (a windowed campaign's queued or running)
-    shapes: collections.Counter[ShapeKey] = dataclasses.field(default_factory=collections.Counter)
+    shapes: collections.Counter[NeededProgram] = dataclasses.field(default_factory=collections.Counter)
     ignored_columns: tuple[str, ...] = ()
 
     def bad(self, row: BadRow) -> None:

@@ -116,7 +116,7 @@ class _TaskMessages:
         self.json = JSONEncoder()  # kombu's JSON, made once rather than once per call
         self.templates: dict[tuple[str, int], tuple[str, str, str, str]] = {}
 
-    def render(self, message: dict[str, Any]) -> tuple[str, str]:
+    def serialize(self, message: dict[str, Any]) -> tuple[str, str]:
         """(Redis list, stored message) of a `job_message`."""
         target = (message["queue"], message["priority"])
         template = self.templates.get(target) or self._template(*target)
@@ -224,7 +224,7 @@ class _Enqueuer:
         """The messages in stored form, by the Redis list each goes to."""
         lists: dict[str, list[str]] = {}
         for m in messages:
-            name, stored = self.messages.render(m)
+            name, stored = self.messages.serialize(m)
             lists.setdefault(name, []).append(stored)
         return lists
 

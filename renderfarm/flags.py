@@ -37,13 +37,14 @@ def job_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--karras", action=argparse.BooleanOptionalAction,
                         help="Karras sigmas (lms, euler, dpm; --scheduler dpm --karras is A1111's "
                              "'DPM++ 2M Karras') (default: the model's scheduler config)")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype of the networks (default float32; bfloat16 halves memory on TPUs)")
-    parser.add_argument("--variant", help="the model's weights variant, e.g. fp16 (its *.fp16.safetensors files)")
     weights_flags(parser)
 
 
 def weights_flags(parser: argparse.ArgumentParser) -> None:
-    """What, besides --model, says which weights render: jobs and workers name the same set."""
+    """What, besides --model, says which weights render and how: jobs and workers name the same set."""
+    parser.add_argument("--dtype", choices=DTYPES, default="float32",
+                        help="compute dtype of the networks (default float32; bfloat16 halves memory on TPUs)")
+    parser.add_argument("--variant", help="the model's weights variant, e.g. fp16 (its *.fp16.safetensors files)")
     parser.add_argument("--base", metavar="REF",
                         help="for a single-file --model (x.safetensors): the pipeline whose configs and "
                              "tokenizers it uses (default: its family's standard hub pipeline)")

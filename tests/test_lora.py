@@ -20,7 +20,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from diffusion.lora import Lora, _sgm_names, read_lora
+from diffusion.lora import LoraFile, _sgm_names, read_lora
 from diffusion.weights import WeightsError, read_header
 from renderfarm.jobs import JobError
 
@@ -49,7 +49,7 @@ def lora_path(family: str, fmt: str) -> Path:
 
 
 @functools.cache
-def read(family: str, fmt: str) -> Lora:
+def read(family: str, fmt: str) -> LoraFile:
     return read_lora(lora_path(family, fmt))
 
 

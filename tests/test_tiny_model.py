@@ -27,7 +27,7 @@ def test_builds_deterministically_and_loads_as_real_models_do(tmp_path: pathlib.
     model = load_model(str(first))
     assert (model.family.name, model.native_size, model.vae_scale_factor, model.size_step) == (kind, 64, 8, 16)
     assert len(model.tokenizers) == (2 if kind == "sdxl" else 1)
-    ids, cut = Engine(model).tokenize(["Ünïcödé prompt: 猫 🐈, \x00 tab\tand a very long tail " * 5, "a fox"])
+    ids, cut = model.tokenize(["Ünïcödé prompt: 猫 🐈, \x00 tab\tand a very long tail " * 5, "a fox"])
     assert ids.shape == (2, len(model.tokenizers), 77) and cut == [True, False]
 
 

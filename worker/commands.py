@@ -13,7 +13,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from renderfarm.flags import broker_flag, job_defaults, job_flags, weights_flags
-from renderfarm.jobs import DTYPES, SCHEDULERS, SPACINGS, JobError, parse_loras
+from renderfarm.jobs import SCHEDULERS, SPACINGS, JobError, parse_loras
 
 if TYPE_CHECKING:
     from diffusion.models import LoadedModel
@@ -186,6 +186,11 @@ def compile_cache_flag(parser: argparse.ArgumentParser) -> None:
                              "~/.cache/renderfarm/jax); it must be the worker user's alone")
 
 
+def per_device_batch_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--per-device-batch", type=int, default=1, metavar="N",
+                        help="jobs per device in a batch (a batch is devices x N jobs; default 1)")
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     tiny = sub.add_parser("tiny-model", help="build a tiny random-weight pipeline (tests, demos)")
     tiny.add_argument("dir", help="the folder to write it to")
@@ -196,8 +201,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     render = sub.add_parser("render", help="render jobs in this process (no broker)")
     job_flags(render)
     render.add_argument("--out", required=True, help="local folder or gs://bucket/prefix")
-    render.add_argument("--per-device-batch", type=int, default=1, metavar="N",
-                        help="jobs per device in a batch (a batch is devices x N jobs; default 1)")
+    per_device_batch_flag(render)
     store_threads_flag(render)
     compile_cache_flag(render)
     render.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -207,12 +211,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     worker.add_argument("--model", required=True,
                         help="hub id[@revision], local folder or gs:// folder, or one .safetensors file")
     worker.add_argument("--out", required=True, help="local folder or gs://bucket/prefix")
-    worker.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default float32)")
-    worker.add_argument("--variant", help="the model's weights variant, e.g. fp16 (its *.fp16.safetensors files); "
-                                          "jobs name it too")
     weights_flags(worker)
-    worker.add_argument("--per-device-batch", type=int, default=1, metavar="N",
-                        help="jobs per device in a batch (a batch is devices x N jobs; default 1)")
+    per_device_batch_flag(worker)
     worker.add_argument("--max-wait", type=float, default=2.0, metavar="SECONDS",
                         help="seconds a partial batch waits for more jobs while the devices are busy "
                              "(default 2; idle devices take it once no job has come for 50 ms)")

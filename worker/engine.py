@@ -218,13 +218,6 @@ class Engine:
                                f"cannot run with this model's scheduler config: {err}") from None
         return self._schedulers[sampler]
 
-    def _abstract_inputs(self) -> Inputs:
-        tokenizers = self.model.tokenizers
-        ids = (self.batch_size, len(tokenizers), tokenizers[0].max_length)
-        spec = partial(jax.ShapeDtypeStruct, sharding=self._sharded)
-        return Inputs(spec(ids, jnp.int32), spec(ids, jnp.int32), spec((self.batch_size,), jnp.bool_),
-                      spec((self.batch_size, 2), jnp.uint32), spec((self.batch_size,), jnp.float32))
-
     def ready(self, key: ShapeKey) -> bool:
         """Whether the program of `key` is compiled (rendering it will not compile)."""
         return key in self._compiled
@@ -275,7 +268,7 @@ class Engine:
                            out_specs=BATCH, check_vma=False)
         start, hits = time.perf_counter(), JAX_EVENTS[CACHE_HIT]
         try:
-            lowered = jax.jit(fn).lower(self._params, self._abstract_inputs())
+            lowered = jax.jit(fn).lower(self._params, self.model.abstract_inputs(self.batch_size, self._sharded))
         except FlaxError as err:  # weights put together by hand, not by the loader, which checks them
             raise JobError("model", self.model.ref, f"weights do not match its config: {err}") from err
         program = lowered.compile()
@@ -339,27 +332,10 @@ class Engine:
 
     # -- rendering -------------------------------------------------------------------
 
-    def tokenize(self, texts: list[str]) -> tuple[np.ndarray, list[bool]]:
-        """Token ids (N, tokenizers, 77) as the pipelines get them (BOS, tokens, EOS, padded or
-        cut), each distinct text once per tokenizer call; and which texts were cut."""
-        row_of = {text: row for row, text in enumerate(dict.fromkeys(texts))}  # batches repeat texts
-        encoded = [tokenizer(list(row_of)) for tokenizer in self.model.tokenizers]
-        ids = np.stack([rows for rows, _ in encoded], axis=1)
-        cut = np.any([flags for _, flags in encoded], axis=0)
-        rows = [row_of[text] for text in texts]
-        return ids[rows], [bool(cut[r]) for r in rows]
-
     def _inputs(self, jobs: list[JobSpec]) -> tuple[Inputs, list[bool]]:
         padded = jobs + [jobs[-1]] * (self.batch_size - len(jobs))
-        prompt_ids, truncated = self.tokenize([j.prompt for j in padded])
-        negative_ids, _ = self.tokenize([j.negative_prompt for j in padded])
-        host = Inputs(
-            prompt_ids=prompt_ids,
-            negative_ids=negative_ids,
-            has_negative=np.array([j.negative_prompt != "" for j in padded]),
-            keys=np.array([[0, j.seed] for j in padded], dtype=np.uint32),  # == PRNGKey(seed)
-            guidance=np.array([j.guidance_scale for j in padded], dtype=np.float32),
-        )
+        host, truncated = self.model.inputs([j.prompt for j in padded], [j.negative_prompt for j in padded],
+                                            [j.seed for j in padded], [j.guidance_scale for j in padded])
         return Inputs(*jax.device_put(tuple(host), self._sharded)), truncated[:len(jobs)]
 
     def dispatch(self, key: ShapeKey, jobs: list[JobSpec]) -> tuple[Output, list[bool]]:
