@@ -22,7 +22,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from diffusion.flops import CONTEXT_TOKENS, program_flops, unet_flops  # noqa: E402
+from diffusion.flops import program_flops, unet_flops  # noqa: E402
 from diffusion.nn.clip import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection  # noqa: E402
 from diffusion.nn.unet import UNet2DConditionModel, UNetConfig  # noqa: E402
 from diffusion.nn.vae import AutoencoderKL, VAEConfig  # noqa: E402
@@ -72,12 +72,13 @@ HARDWARE = {
     "H100 SXM": (1, 989e12), "8x H100 host": (8, 989e12),
 }
 UTILISATION = 0.5
+CLIP_TOKENS = 77  # every SD text encoder's positions: the UNet's context length
 KEY = jax.random.PRNGKey(0)
 
 
 def unet_step(config: dict[str, Any], size: int) -> float:
     unet = UNet2DConditionModel(UNetConfig.from_dict(config))
-    flops = unet_flops(unet, jax.eval_shape(unet.init_params, KEY), 2, size // 8, size // 8)
+    flops = unet_flops(unet, jax.eval_shape(unet.init_params, KEY), 2, size // 8, size // 8, CLIP_TOKENS)
     assert flops is not None
     return flops
 
@@ -89,7 +90,7 @@ def text_encoders(encoders: list[tuple[dict[str, Any], bool]]) -> float:
         cls = CLIPTextModelWithProjection if projection else CLIPTextModel
         model = cls(CLIPTextConfig.from_dict(config))
         params = jax.eval_shape(model.init_params, KEY)
-        ids = jax.ShapeDtypeStruct((2, CONTEXT_TOKENS), jnp.int32)
+        ids = jax.ShapeDtypeStruct((2, CLIP_TOKENS), jnp.int32)
         flops = program_flops(jax.jit(lambda p, i: model.apply({"params": p}, i)).lower(params, ids))  # noqa: B023
         assert flops is not None
         total += flops

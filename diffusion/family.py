@@ -1,5 +1,6 @@
 """What a model family is: the components a pipeline folder holds, its tokenizers, the pipeline
-classes it answers to, and how it generates. The families themselves are diffusion/families."""
+classes it answers to, how it generates, the image sizes it renders and what a denoiser call
+costs. The families themselves are diffusion/families."""
 
 from __future__ import annotations
 
@@ -33,9 +34,22 @@ class Networks:
 
 
 @dataclasses.dataclass(frozen=True)
+class Geometry:
+    """The image sizes a model renders: its native size, and the step of widths and heights
+    (the job contract checks sizes against it)."""
+
+    native_size: int
+    size_step: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Family:
     name: str
     pipelines: tuple[str, ...]  # model_index.json `_class_name`s (PyTorch and Flax)
     components: Mapping[str, Component]
     tokenizers: tuple[str, ...]  # tokenizer folders, one per text encoder, in order
     generate: Callable[..., Any]  # (networks, scheduler, static, params, inputs) -> Output
+    geometry: Callable[[Networks], Geometry]
+    # (networks, params, rows, height, width) -> FLOPs of one denoiser call on `rows` inputs (2 per
+    # image with classifier-free guidance), None where the backend counts none; `params` may be abstract
+    denoiser_flops: Callable[[Networks, Any, int, int, int], float | None]

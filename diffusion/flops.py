@@ -24,7 +24,6 @@ PEAK_TFLOPS = {
     "TPU v5": 459.0, "TPU v5p": 459.0, "TPU v6 lite": 918.0, "TPU v6e": 918.0, "TPU7x": 2307.0,
     "NVIDIA H100 PCIe": 756.0, "NVIDIA H100": 989.0, "NVIDIA H200": 989.0, "NVIDIA A100": 312.0,
 }
-CONTEXT_TOKENS = 77  # CLIP's context length: every SD text embedding has 77 positions
 
 
 def program_flops(compiled: Any) -> float | None:
@@ -40,15 +39,16 @@ def program_flops(compiled: Any) -> float | None:
     return float(flops) if flops is not None and flops > 0 else None
 
 
-def unet_flops(unet: Any, params: Any, batch: int, latent_height: int, latent_width: int) -> float | None:
+def unet_flops(unet: Any, params: Any, batch: int, latent_height: int, latent_width: int,
+               context_tokens: int) -> float | None:
     """FLOPs of one call of a UNet (diffusion.nn.unet) on `batch` latents (2 per image with
-    classifier-free guidance). Lowered, not compiled: seconds even for SDXL. `params` may be
-    abstract (`jax.eval_shape(unet.init_params, key)`)."""
+    classifier-free guidance) and a context of `context_tokens` positions. Lowered, not
+    compiled: seconds even for SDXL. `params` may be abstract (`jax.eval_shape(unet.init_params, key)`)."""
     config = unet.config
     f32 = jnp.float32
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), params)  # no transfers
     sample = jax.ShapeDtypeStruct((batch, config.in_channels, latent_height, latent_width), f32)
-    context = jax.ShapeDtypeStruct((batch, CONTEXT_TOKENS, config.cross_attention_dim), f32)
+    context = jax.ShapeDtypeStruct((batch, context_tokens, config.cross_attention_dim), f32)
     added = None
     if config.addition_embed_type == "text_time":  # SDXL: pooled text + 6 size conditions
         time_ids = 6

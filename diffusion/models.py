@@ -120,17 +120,13 @@ class LoadedModel:
                       spec((batch, 2), jnp.uint32), spec((batch,), jnp.float32))
 
     @property
-    def vae_scale_factor(self) -> int:
-        return self.networks["vae"].config.scale_factor
-
-    @property
     def size_step(self) -> int:
-        """Pixels per step of width/height: VAE factor x UNet downsampling."""
-        return self.vae_scale_factor * 2 ** (len(self.networks["unet"].config.block_out_channels) - 1)
+        """Widths and heights are multiples of this (the family's geometry)."""
+        return self.family.geometry(self.networks).size_step
 
     @property
     def native_size(self) -> int:
-        return int(self.networks["unet"].config.sample_size) * self.vae_scale_factor
+        return self.family.geometry(self.networks).native_size
 
     @property
     def default_scheduler(self) -> str:

@@ -29,13 +29,14 @@ def test_flops_grow_with_steps_by_one_unet_call_per_step(sd_engine) -> None:  # 
     assert programs[0] == pytest.approx(programs[1], rel=1e-3)
     model = sd_engine.model
     per_device = sd_engine.batch_size // len(sd_engine.devices)
-    latent = 64 // model.vae_scale_factor
-    unet = model.networks["unet"]
-    step = unet_flops(unet, model.params["unet"], 2 * per_device, latent, latent)
+    step = model.family.denoiser_flops(model.networks, model.params, 2 * per_device, 64, 64)
     assert step is not None and step > 0
+    # the family's denoiser call is its UNet on 64 / 8 latents and the text encoder's 77 positions
+    unet = model.networks["unet"]
+    assert step == unet_flops(unet, model.params["unet"], 2 * per_device, 8, 8, 77)
+    assert unet_flops(unet, model.params["unet"], 2 * per_device, 8, 8, 154) > step
     # a UNet call costs in proportion to its batch (two latents per job: guidance)
-    assert unet_flops(unet, model.params["unet"], 4 * per_device, latent, latent) == \
-        pytest.approx(2 * step, rel=0.01)
+    assert unet_flops(unet, model.params["unet"], 4 * per_device, 8, 8, 77) == pytest.approx(2 * step, rel=0.01)
     extra = sd_engine.flops(long) - sd_engine.flops(short)
     assert extra == pytest.approx(STEPS * step * len(sd_engine.devices), rel=1e-3)
     # the rest of the program (text encoder, VAE decode) does not grow with steps
@@ -51,8 +52,7 @@ def test_a_cfg_free_program_evaluates_the_unet_on_one_latent_per_job(sd_engine) 
     programs = {key: program_flops(sd_engine.compiled(key)) for key in (guided, free)}
     model = sd_engine.model
     per_device = sd_engine.batch_size // len(sd_engine.devices)
-    latent = 64 // model.vae_scale_factor
-    one_call = unet_flops(model.networks["unet"], model.params["unet"], per_device, latent, latent)
+    one_call = model.family.denoiser_flops(model.networks, model.params, per_device, 64, 64)
     saved = programs[guided] - programs[free]  # also the negative prompts' text encoding
     assert saved >= 0.99 * one_call, (saved, one_call)
     assert sd_engine.flops(free) < sd_engine.flops(guided) - (STEPS - 1) * one_call * len(sd_engine.devices)

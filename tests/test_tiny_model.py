@@ -8,6 +8,7 @@ import pathlib
 import numpy as np
 import pytest
 
+from diffusion.family import Geometry
 from diffusion.models import load_model
 from diffusion.tiny import build_tiny_model
 from renderfarm.jobs import JobSpec
@@ -25,7 +26,8 @@ def test_builds_deterministically_and_loads_as_real_models_do(tmp_path: pathlib.
     assert _files(first) != _files(build_tiny_model(tmp_path / "c", kind=kind, seed=1))
     assert not list(first.rglob("*.safetensors")) and list(first.rglob("*.msgpack"))  # Flax's format
     model = load_model(str(first))
-    assert (model.family.name, model.native_size, model.vae_scale_factor, model.size_step) == (kind, 64, 8, 16)
+    assert (model.family.name, model.native_size, model.size_step) == (kind, 64, 16)
+    assert model.family.geometry(model.networks) == Geometry(native_size=64, size_step=16)
     assert len(model.tokenizers) == (2 if kind == "sdxl" else 1)
     ids, cut = model.tokenize(["Ünïcödé prompt: 猫 🐈, \x00 tab\tand a very long tail " * 5, "a fox"])
     assert ids.shape == (2, len(model.tokenizers), 77) and cut == [True, False]

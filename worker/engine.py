@@ -29,7 +29,7 @@ import numpy as np
 from flax.errors import FlaxError
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from diffusion.flops import denoise_flops, program_flops, unet_flops
+from diffusion.flops import denoise_flops, program_flops
 from diffusion.generate import Inputs, Output, Static
 from diffusion.models import LoadedModel
 from diffusion.schedulers import Scheduler, make
@@ -295,11 +295,10 @@ class Engine:
 
     def _count_flops(self, key: ShapeKey, compiled: Any) -> float | None:
         """XLA counts the per-device program, its denoising loop once: add the other steps'
-        UNet calls (batch 2 per job with classifier-free guidance, else 1), then all devices."""
-        f, per_device = self.model.vae_scale_factor, self.batch_size // len(self.devices)
-        halves = 2 if key.guided else 1
-        step = unet_flops(self.model.networks["unet"], self._params["unet"], halves * per_device,
-                          key.height // f, key.width // f)
+        denoiser calls (2 rows per job with classifier-free guidance, else 1), then all devices."""
+        rows = (2 if key.guided else 1) * self.batch_size // len(self.devices)
+        model = self.model
+        step = model.family.denoiser_flops(model.networks, self._params, rows, key.height, key.width)
         per_device_flops = denoise_flops(program_flops(compiled), step, key.steps)
         return None if per_device_flops is None else per_device_flops * len(self.devices)
 

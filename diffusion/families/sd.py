@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from diffusion.families import latent_unet
 from diffusion.family import Component, Family, Networks
 from diffusion.generate import Inputs, Output, Static, denoise_and_decode
 from diffusion.nn.clip import CLIPTextConfig, CLIPTextModel
@@ -36,4 +37,6 @@ FAMILY = Family(
                 "vae": Component(AutoencoderKL, VAEConfig, "vae")},
     tokenizers=("tokenizer",),
     generate=generate,
+    geometry=latent_unet.geometry,
+    denoiser_flops=latent_unet.denoiser_flops,
 )
