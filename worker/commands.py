@@ -69,6 +69,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from worker.engine import Engine, enable_compilation_cache
     from worker.executables import ExecutableStore
     from worker.farm import Batcher, Processor, drain_step, node_name, render_task
+    from worker.hooks import FleetHook, GalleryHook, MetricsHook, RateLog
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     shapes = parse_shapes(args.precompile or "")
@@ -112,8 +113,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
             raise JobError("metrics-port", args.metrics_port, f"cannot be served ({err}); give each worker "
                                                               "on a host its own port") from None
         log.info("metrics on http://0.0.0.0:%d/metrics", args.metrics_port)
-    processor = Processor(engine, storage, Progress.from_url(settings.broker_url), app, settings,
-                          store_threads=args.store_threads, node=node, queue=queue, metrics=metrics)
+    progress = Progress.from_url(settings.broker_url)
+    hooks = [FleetHook(progress.r, node, queue), GalleryHook(storage), RateLog(engine)]
+    if metrics is not None:
+        hooks.append(MetricsHook(metrics, engine))
+    processor = Processor(engine, storage, progress, app, settings, store_threads=args.store_threads,
+                          hooks=hooks, metrics=metrics)
     app.register_task(render_task(Batcher(processor, engine.batch_size, args.max_wait)))
     app.steps["consumer"].add(drain_step(processor, args.drain_seconds))
     log.info(

@@ -1,14 +1,20 @@
 """The farm worker: a Celery worker (solo pool, JAX in the main process) that consumes its
 model's queue in batches of `devices x per_device_batch` jobs.
 
-A job's life, in the order it happens (Processor, one method each):
+A job's life, in the order it happens (Processor, one method each), inside its batch
+(worker.batches.JobBatch, whose state says which step it is at):
   receive   the message is a job, valid here (or it is failed for good and dead-lettered)
-  gather    jobs wait for a full batch of their shape (Gatherer)
+  gather    jobs wait for a full batch of their shape (Gatherer)             GATHERED
   admit     cancelled campaigns skipped, attempts counted, a job stored already not redone
   render    on the devices; the program is compiled off the consumer's thread
+                                                                  COMPILING, RENDERING
   store     PNG, sidecar, manifest line, on the store threads (worker.output.BatchWriter)
+                                                                             STORING
   end       succeeded, retried or failed (Outcomes: the one place for the retry policy),
-            then acknowledged or put back on the queue
+            then acknowledged or put back on the queue; taken out of its batch first,
+            which is SETTLED once it holds no job
+Metrics, the fleet's hash, galleries and the rate log are hooks on the batches' state
+changes (worker.hooks).
 The message arrives already checked by the transport (worker.envelope): nothing in it can
 make Celery or kombu raise. Whatever raises later is caught where the job's life ends, so a
 worker never exits or wedges on input, and every job taken is acked or requeued.
@@ -23,14 +29,13 @@ events and worker state, so Flower and `inspect` see every job.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
+import functools
 import json
 import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -40,23 +45,20 @@ from celery.worker.request import Request, create_request_cls
 from celery.worker.state import task_accepted, task_ready, task_reserved
 from kombu.utils.json import dumps
 
-from diffusion.flops import describe_rate
 from renderfarm import deadletters
-from renderfarm.fleet import record_batch
-from renderfarm.gallery import Refresher
 from renderfarm.jobs import JobError, JobSpec, parse_job
 from renderfarm.layout import MANIFEST_BASENAME, sidecar_name
 from renderfarm.progress import Progress
-from renderfarm.queue import ENQUEUED_HEADER, TASK_NAME
+from renderfarm.queue import TASK_NAME
 from renderfarm.settings import Settings
 from renderfarm.storage import Storage
-from worker.engine import Engine, InFlight, Rendered, ShapeKey
+from worker.batches import BatchHook, Job, JobBatch, State
+from worker.engine import Engine, Rendered, ShapeKey
 from worker.metrics import WorkerMetrics
 from worker.output import BatchWriter
 
 log = logging.getLogger("renderfarm.worker")
 
-GALLERY_QUIET = 2.0  # seconds without a stored batch before galleries are brought up to date
 # Seconds without an arriving job after which idle devices take a partial batch: while the
 # queue has jobs, the worker's pop (worker.broker) brings them in far quicker than that.
 QUEUE_QUIET = 0.05
@@ -65,26 +67,6 @@ BROKER_ERRORS = (redis.RedisError, OSError)  # what Redis being away raises in a
 
 class JobFailed(Exception):
     """What the result backend and Flower show for a job that failed for good."""
-
-
-@dataclasses.dataclass(eq=False)
-class Job:
-    """A delivered job that is valid here; only `Processor.receive` makes one."""
-
-    request: Request
-    spec: JobSpec
-    key: ShapeKey
-    attempt: int = 0
-    started: float = dataclasses.field(default_factory=time.time)
-
-    @property
-    def campaign(self) -> str:
-        return self.spec.campaign
-
-    @property
-    def ident(self) -> tuple[str, str]:
-        """A job is a spec in a campaign: the same spec in two campaigns is two jobs."""
-        return self.spec.campaign, self.spec.job_id
 
 
 class Outcomes:
@@ -194,34 +176,27 @@ class Outcomes:
 
 class Processor:
     """One job's life from delivery to acknowledgement (see the module docstring), across
-    reconnections: the Gatherer of the current connection hands it batches."""
+    reconnections: the Gatherer of the current connection hands it batches (worker.batches),
+    and it moves each on through its states; `hooks` do the rest of what a state change means."""
 
     def __init__(self, engine: Engine, storage: Storage, progress: Progress, app: Celery,
-                 settings: Settings, store_threads: int | None = None, node: str = "", queue: str = "",
+                 settings: Settings, store_threads: int | None = None, hooks: Sequence[BatchHook] = (),
                  metrics: WorkerMetrics | None = None) -> None:
-        self.engine, self.storage, self.progress = engine, storage, progress
-        self.node, self.queue = node, queue  # for the fleet's view (renderfarm/fleet.py)
-        self.metrics = metrics
-        self._handed: dict[int, float] = {}  # batch seq -> when it went to the writer (store seconds)
+        self.engine, self.storage, self.progress, self.hooks = engine, storage, progress, hooks
         self.outcomes = Outcomes(app, progress, settings.max_attempts, metrics)
-        self.writer = BatchWriter(storage, engine.model, engine.devices, threads=store_threads,
-                                  on_stored=self._stored, on_failed=self._store_failed)
-        self.gatherer: Gatherer | None = None  # the current connection's
-        self._storing: dict[tuple[str, str], list[Job]] = {}  # (campaign, job id) -> jobs on the writer
-        self._inflight: tuple[InFlight, list[Job]] | None = None
+        self.writer = BatchWriter(storage, engine.model, engine.devices, threads=store_threads)
+        self.gatherer: Gatherer | None = None  # the current connection's; it holds the GATHERED batches
+        self._batches: list[JobBatch] = []  # the batches handed over by a gatherer and not settled
         self._idle_since = time.monotonic()
-        # New shapes compile on their own thread; their batches wait here meanwhile.
+        # New shapes compile on their own thread; their batches wait COMPILING meanwhile.
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="compile")
         self._compiling: dict[ShapeKey, Future[Any]] = {}
-        self._awaiting: dict[ShapeKey, list[list[Job]]] = {}
-        # Galleries are rebuilt on their own thread: throttled while a campaign runs, and
-        # once more when the worker has had nothing to do for GALLERY_QUIET seconds.
-        self.gallery = Refresher(storage)
-        self._gallery_thread = ThreadPoolExecutor(1, thread_name_prefix="gallery")
-        self._gallery_stale = False
-        self._last_stored = time.monotonic()
-        self._rate = RateLog(engine)
         self.drained = False  # set once a warm shutdown has settled every job it held
+
+    def _held(self, *states: State) -> list[JobBatch]:
+        """The batches past gathering that hold jobs still, oldest first (in `states`, if given)."""
+        self._batches = [batch for batch in self._batches if batch.state is not State.SETTLED]
+        return [batch for batch in self._batches if not states or batch.state in states]
 
     # -- receive ---------------------------------------------------------------------
 
@@ -244,147 +219,115 @@ class Processor:
 
     # -- admit -----------------------------------------------------------------------
 
-    def process(self, key: ShapeKey, jobs: list[Job]) -> None:
+    def process(self, batch: JobBatch) -> None:
         """Admit a gathered batch and start it on the devices, once its program is compiled."""
-        jobs = self._admit(jobs)
-        if not jobs:
+        self._admit(batch)
+        if batch.state is State.SETTLED:
             return
-        if not self.engine.ready(key):
-            self._awaiting.setdefault(key, []).append(jobs)
-            if key not in self._compiling:
-                log.info("%s: compiling a new program (batches of it wait meanwhile)", key)
-                self._compiling[key] = self._compiler.submit(self.engine.compiled, key)
+        self._batches.append(batch)
+        if self.engine.ready(batch.key):
+            self._start(batch)
             return
-        self._start(key, jobs)
+        batch.compiling()
+        if batch.key not in self._compiling:
+            log.info("%s: compiling a new program (batches of it wait meanwhile)", batch.key)
+            self._compiling[batch.key] = self._compiler.submit(self.engine.compiled, batch.key)
 
-    def _admit(self, jobs: list[Job]) -> list[Job]:
+    def _admit(self, batch: JobBatch) -> None:
         """Skip cancelled campaigns' jobs; count attempts; a job whose sidecar is stored
         already (its worker died before the ack) is not rendered again."""
         try:
-            cancelled = self.progress.cancelled_among({job.campaign for job in jobs})
-            attempts = self.progress.started(job.ident for job in jobs if job.campaign not in cancelled)
+            cancelled = self.progress.cancelled_among({job.campaign for job in batch.jobs})
+            attempts = self.progress.started(job.ident for job in batch.jobs if job.campaign not in cancelled)
         except BROKER_ERRORS as err:
-            for job in jobs:
+            for job in batch.release_all():
                 self.outcomes.retry(job, f"broker: {err}", counts=False)
-            return []
-        fresh, counted = [], iter(attempts)
-        for job in jobs:
+            return
+        counted = iter(attempts)
+        for job in list(batch.jobs):
             if job.campaign in cancelled:
-                self.outcomes.skipped(job)
+                self.outcomes.skipped(batch.release(job))
                 continue
             job.attempt = next(counted)
-            if job.attempt > 1 and self._stored_already(job):
-                continue
+            if job.attempt > 1:  # its last worker may have stored it and died before the ack
+                try:
+                    record = self._stored_sidecar(job)
+                except Exception as err:  # noqa: BLE001 - storage away: try again later
+                    self.outcomes.retry(batch.release(job), f"storage: {err!r}", counts=False)
+                    continue
+                if record is not None:
+                    self.outcomes.succeeded([(batch.release(job), self._result(job, record, already_stored=True))])
+                    continue
             task_accepted(job.request)
             job.request.send_event("task-started")
-            fresh.append(job)
-        if self.metrics is not None:
-            self.metrics.admitted(job.request.request_dict.get(ENQUEUED_HEADER) for job in fresh)
-        return fresh
 
-    def _stored_already(self, job: Job) -> bool:
-        """Finish a job that comes back after its PNG and sidecar were stored: its manifest
-        line is written unless the part its sidecar names holds it already."""
+    def _stored_sidecar(self, job: Job) -> dict[str, Any] | None:
+        """The sidecar of a job stored already, its manifest line written now unless the part
+        the sidecar names holds it already; None if it is not stored. Raises what storage raises."""
         try:
             record = json.loads(self.storage.get(sidecar_name(job.campaign, job.spec.job_id)))
         except FileNotFoundError:
-            return False
-        except Exception as err:  # noqa: BLE001 - storage away: try again later
-            self.outcomes.retry(job, f"storage: {err!r}", counts=False)
-            return True
+            return None
         manifest = self.writer.manifest
-        try:
-            if not manifest.holds(job.campaign, record.get("manifest_part", MANIFEST_BASENAME), job.spec.job_id):
-                manifest.append(job.campaign, manifest.new_part(job.campaign),
-                                [(job.spec.job_id, json.dumps(record))])
-        except Exception as err:  # noqa: BLE001
-            self.outcomes.retry(job, f"storage: {err!r}", counts=False)
-            return True
-        self.outcomes.succeeded([(job, {"job_id": job.spec.job_id, "png_sha256": record.get("png_sha256"),
-                                        "url": self.storage.url(sidecar_name(job.campaign, job.spec.job_id)),
-                                        "device_seconds": record.get("device_seconds", 0.0),
-                                        "already_stored": True})])
-        return True
+        if not manifest.holds(job.campaign, record.get("manifest_part", MANIFEST_BASENAME), job.spec.job_id):
+            manifest.append(job.campaign, manifest.new_part(job.campaign), [(job.spec.job_id, json.dumps(record))])
+        return record
+
+    def _result(self, job: Job, record: dict[str, Any], **extra: Any) -> dict[str, Any]:
+        """What a stored job's success says (Flower's event): where it is and what it cost."""
+        return {"job_id": job.spec.job_id, "png_sha256": record.get("png_sha256"),
+                "url": self.storage.url(sidecar_name(job.campaign, job.spec.job_id)),
+                "device_seconds": record.get("device_seconds", 0.0), **extra}
 
     # -- render ----------------------------------------------------------------------
 
-    def _start(self, key: ShapeKey, jobs: list[Job]) -> None:
-        """Start the batch on the devices and hand the previous one, now rendered, to the
+    def _start(self, batch: JobBatch) -> None:
+        """Start the batch on the devices and hand the one before, now rendered, to the
         writer: the devices work while the consumer gathers the next batch."""
+        before = self._held(State.RENDERING)
         try:
-            started = self.engine.start([job.spec for job in jobs], key, list(range(len(jobs))))
+            started = self.engine.start([job.spec for job in batch.jobs], batch.key, list(range(len(batch.jobs))))
         except Exception:  # noqa: BLE001 - a poison job must not fail the others
-            self._one_by_one(jobs)
+            self._one_by_one(batch)
             return
-        self._finish_inflight()
-        self._inflight = (started, jobs)
+        batch.rendering(started)
+        for earlier in before:
+            self._collect(earlier)
 
-    def _finish_inflight(self) -> None:
-        if self._inflight is None:
-            return
-        started, jobs = self._inflight
-        self._inflight, self._idle_since = None, time.monotonic()
+    def _collect(self, batch: JobBatch) -> None:
+        """Wait for a batch on the devices, then hand it to the writer."""
+        self._idle_since = time.monotonic()
         try:
-            rendered = self.engine.collect(started)
+            rendered = self.engine.collect(batch.inflight)
         except Exception:  # noqa: BLE001
-            self._one_by_one(jobs)
+            self._one_by_one(batch)
             return
-        self._rate.add(started.key, len(rendered))
-        if self.metrics is not None and rendered:
-            batch = rendered[0].batch
-            self.metrics.rendered(batch.jobs, batch.slots, batch.seconds, self.engine.flops(started.key))
-            self.metrics.compiled(self.engine.compiles, self.engine.compile_seconds)
-        self._hand_over(rendered, jobs)
+        self._store(batch, rendered)
 
-    def _one_by_one(self, jobs: list[Job]) -> None:
-        log.warning("batch of %d raised; rendering its jobs one by one", len(jobs), exc_info=True)
-        for job in jobs:
+    def _one_by_one(self, batch: JobBatch) -> None:
+        log.warning("batch of %d raised; rendering its jobs one by one", len(batch.jobs), exc_info=True)
+        batch.rendering(None)
+        rendered = []
+        for job in list(batch.jobs):
             try:
-                rendered = self.engine.render([job.spec])
+                rendered += self.engine.render([job.spec])
             except Exception as err:  # noqa: BLE001
-                self.outcomes.retry(job, f"render: {type(err).__name__}: {err}")
-            else:
-                self._hand_over(rendered, [job])
+                self.outcomes.retry(batch.release(job), f"render: {type(err).__name__}: {err}")
+        if batch.state is State.RENDERING:
+            self._store(batch, rendered)
 
     # -- store -----------------------------------------------------------------------
 
-    def _hand_over(self, rendered: list[Rendered], jobs: list[Job]) -> None:
-        if rendered:
-            self._handed[rendered[0].batch.seq] = time.monotonic()
-        for job in jobs:
-            self._storing.setdefault(job.ident, []).append(job)
-        self.writer.submit(rendered)  # stored and acked while the next batch renders
+    def _store(self, batch: JobBatch, rendered: list[Rendered]) -> None:
+        batch.storing(rendered)
+        self.writer.submit(rendered, functools.partial(self._stored, batch),  # stored and acked while
+                           functools.partial(self._store_failed, batch))     # the next batch renders
 
-    def _take(self, campaign: str, job_id: str) -> Job | None:
-        waiting = self._storing.get((campaign, job_id))
-        if not waiting:
-            return None  # given up on by a drain: already put back on the queue
-        job = waiting.pop(0)
-        if not waiting:
-            del self._storing[(campaign, job_id)]
-        return job
+    def _stored(self, batch: JobBatch, records: list[dict[str, Any]]) -> None:
+        self.outcomes.succeeded([(job, self._result(job, record)) for job, record in batch.stored(records)])
 
-    def _stored(self, records: list[dict[str, Any]]) -> None:
-        campaigns = {record["spec"]["campaign"] for record in records}
-        with contextlib.suppress(redis.RedisError):  # the fleet's view is no reason to fail a job
-            record_batch(self.progress.r, self.node, self.queue, records)
-        if self.metrics is not None:
-            handed = self._handed.pop(records[0]["batch"]["seq"], None) if records else None
-            self.metrics.stored(records, time.monotonic() - handed if handed is not None else 0.0)
-        self._gallery_thread.submit(self.gallery.stored, campaigns)
-        self._gallery_stale, self._last_stored = True, time.monotonic()
-        done = []
-        for record in records:
-            campaign, job_id = record["spec"]["campaign"], record["job_id"]
-            job = self._take(campaign, job_id)
-            if job is not None:
-                done.append((job, {"job_id": job_id, "png_sha256": record["png_sha256"],
-                                   "url": self.storage.url(sidecar_name(campaign, job_id)),
-                                   "device_seconds": record["device_seconds"]}))
-        self.outcomes.succeeded(done)
-
-    def _store_failed(self, result: Rendered, error: Exception) -> None:
-        job = self._take(result.spec.campaign, result.spec.job_id)
+    def _store_failed(self, batch: JobBatch, result: Rendered, error: Exception) -> None:
+        job = batch.unstored(result)
         if job is not None:
             self.outcomes.retry(job, f"storage: {error!r}", counts=False)  # not the job's fault
 
@@ -392,26 +335,28 @@ class Processor:
 
     def idle_seconds(self) -> float:
         """How long the devices have had no batch (0 while they have one)."""
-        return 0.0 if self._inflight is not None else time.monotonic() - self._idle_since
+        return 0.0 if self._held(State.RENDERING) else time.monotonic() - self._idle_since
 
     def poll(self) -> None:
         """Start batches whose program is now compiled, collect a finished batch, and
         settle what has been stored."""
         for key in [key for key, future in self._compiling.items() if future.done()]:
             error = self._compiling.pop(key).exception()
-            for jobs in self._awaiting.pop(key, []):
+            for batch in self._held(State.COMPILING):
+                if batch.key != key:
+                    continue
                 if error is None:
-                    self._start(key, jobs)
+                    self._start(batch)
                 else:
-                    for job in jobs:
+                    for job in batch.release_all():
                         self.outcomes.failed(job, f"compile: {error}")
-        if self._inflight is not None and self._inflight[0].ready():
-            self._finish_inflight()
+        for batch in self._held(State.RENDERING):
+            if batch.inflight is not None and batch.inflight.ready():
+                self._collect(batch)
         self.writer.poll()
-        if (self._gallery_stale and self._inflight is None and self.writer.idle
-                and time.monotonic() - self._last_stored > GALLERY_QUIET):
-            self._gallery_stale = False
-            self._gallery_thread.submit(self.gallery.flush)
+        busy = bool(self._held(State.RENDERING, State.STORING))
+        for hook in self.hooks:
+            hook.polled(busy)
 
     # -- stopping --------------------------------------------------------------------
 
@@ -420,49 +365,19 @@ class Processor:
         `deadline` (monotonic) and put every other job back on the queue now, not after the
         visibility timeout; an unfinished attempt does not count."""
         self.writer.stopping.set()
-        waiting = [job for jobs in (self.gatherer.take_all() if self.gatherer else [])
-                   for job in jobs]
-        waiting += [job for batches in self._awaiting.values() for jobs in batches for job in jobs]
-        self._awaiting.clear()
-        if self._inflight is not None:
-            started, jobs = self._inflight
-            while not started.ready() and time.monotonic() < deadline:
+        for batch in self._held(State.RENDERING):
+            while not batch.inflight.ready() and time.monotonic() < deadline:
                 time.sleep(0.05)
-            if started.ready():
-                self._finish_inflight()
-            else:
-                self._inflight = None
-                waiting += jobs
+            if batch.inflight.ready():
+                self._collect(batch)
         self.writer.finish(until=deadline)
-        for result in self.writer.abandon():
-            job = self._take(result.spec.campaign, result.spec.job_id)
-            if job is not None:
-                waiting.append(job)
+        self.writer.abandon()  # what is still storing goes back on the queue with the rest
+        batches = (self.gatherer.take_all() if self.gatherer else []) + self._held()
+        waiting = [job for batch in batches for job in batch.release_all()]
         for job in waiting:
             self.outcomes.retry(job, "the worker is stopping", counts=False)
         self.drained = True
         log.info("drained: %d jobs put back on the queue", len(waiting))
-
-
-class RateLog:
-    """Every `interval` seconds, one log line of what the devices achieved: images/s and
-    FLOP/s with its fraction of the devices' peak, so an operator on real hardware sees
-    how far from the ceiling the worker runs (docs/performance.md)."""
-
-    def __init__(self, engine: Engine, interval: float = 30.0) -> None:
-        self.engine, self.interval = engine, interval
-        self._since, self._images, self._flops = time.monotonic(), 0, 0.0
-
-    def add(self, key: ShapeKey, images: int) -> None:
-        flops = self.engine.flops(key)
-        self._images += images
-        self._flops = self._flops + flops if flops is not None and self._flops is not None else None
-        seconds = time.monotonic() - self._since
-        if seconds >= self.interval:
-            devices = self.engine.devices
-            log.info("%d images in %.0fs: %.2f images/s, %s", self._images, seconds, self._images / seconds,
-                     describe_rate(self._flops, seconds, devices[0].device_kind, len(devices)))
-            self._since, self._images, self._flops = time.monotonic(), 0, 0.0
 
 
 class Gatherer:
@@ -481,7 +396,7 @@ class Gatherer:
                  quiet: float = QUEUE_QUIET) -> None:
         self.processor, self.batch_size, self.max_wait, self.patience = processor, batch_size, max_wait, patience
         self.quiet, self.last_arrival = quiet, time.monotonic()
-        self.buffers: dict[ShapeKey, list[Job]] = {}
+        self.buffers: dict[ShapeKey, JobBatch] = {}
         self.deadlines: dict[ShapeKey, float] = {}
         self.since: dict[ShapeKey, int] = {}  # batches run when the key's first job came
         self.ran = 0
@@ -489,10 +404,10 @@ class Gatherer:
     def add(self, job: Job) -> None:
         self.last_arrival = time.monotonic()
         if job.key not in self.buffers:
-            self.buffers[job.key], self.since[job.key] = [], self.ran
+            self.buffers[job.key], self.since[job.key] = JobBatch(job.key, self.processor.hooks), self.ran
             self.deadlines[job.key] = time.monotonic() + self.max_wait
-        self.buffers[job.key].append(job)
-        if len(self.buffers[job.key]) >= self.batch_size:
+        self.buffers[job.key].add(job)
+        if len(self.buffers[job.key].jobs) >= self.batch_size:
             self.flush(job.key)
 
     def flush_due(self) -> None:
@@ -509,12 +424,11 @@ class Gatherer:
         self.ran += 1
         started = time.monotonic()
         try:
-            self.processor.process(key, batch)
+            self.processor.process(batch)
         except Exception as err:  # noqa: BLE001 - the worker must keep serving; jobs go back
-            log.exception("batch of %d failed outside any job; requeued", len(batch))
-            for job in batch:
-                if not job.request.acknowledged:
-                    self.processor.outcomes.retry(job, f"worker: {err!r}", counts=False)
+            log.exception("batch of %d failed outside any job; requeued", len(batch.jobs))
+            for job in batch.release_all():
+                self.processor.outcomes.retry(job, f"worker: {err!r}", counts=False)
         blocked = time.monotonic() - started
         for other in self.deadlines:
             self.deadlines[other] += blocked
@@ -522,7 +436,7 @@ class Gatherer:
             if other in self.buffers:
                 self.flush(other)
 
-    def take_all(self) -> list[list[Job]]:
+    def take_all(self) -> list[JobBatch]:
         """Every waiting batch, taken away (the worker is stopping)."""
         batches = list(self.buffers.values())
         self.buffers.clear()

@@ -1,9 +1,9 @@
 """Prometheus metrics of one worker process (`renderfarm worker --metrics-port P`).
 
 Each worker has a registry of its own (several workers on one host each serve their own port),
-updated at the points of a job's life in worker/farm.py: admitted (queue wait), batch rendered
-(render seconds, fill, FLOP/s), batch stored (images and device-seconds per campaign, store
-seconds), failed (by reason), compiled. infra/grafana/renderfarm.json is a dashboard of them.
+updated on a batch's state changes (worker.hooks.MetricsHook): admitted (queue wait), batch
+rendered (render seconds, fill, FLOP/s), batch stored (images and device-seconds per campaign,
+store seconds), compiled; and as a job's life ends (worker.farm.Outcomes): failed (by reason). infra/grafana/renderfarm.json is a dashboard of them.
 """
 
 from __future__ import annotations

@@ -106,13 +106,19 @@ def default_store_threads() -> int:
     return max(2, min(8, os.cpu_count() or 2))
 
 
+OnStored = Callable[[list[dict[str, Any]]], None]
+OnFailed = Callable[[Rendered, Exception], None]
+
+
 @dataclasses.dataclass
 class _Storing:
-    """A batch on the store threads: its manifest part per campaign, its jobs, their futures."""
+    """A batch on the store threads: its manifest part per campaign, its futures, and whom
+    to tell how it went."""
 
     parts: dict[str, str]
-    batch: list[Rendered]
     futures: list[Future[list[Stored]]]
+    on_stored: OnStored
+    on_failed: OnFailed | None
 
 
 class BatchWriter:
@@ -121,13 +127,13 @@ class BatchWriter:
     wait, so memory stays bounded; `submit` blocks beyond that. Per batch, in batch order,
     once all of its jobs are through: manifest lines for the stored ones, then
     `on_stored(records)`, then `on_failed(result, error)` for each job that could not be
-    stored or whose manifest line could not be written (by default the error is raised).
-    Every job submitted reaches exactly one of the two."""
+    stored or whose manifest line could not be written (by default the error is raised):
+    the writer's, or the ones `submit` was given for that batch. Every job submitted
+    reaches exactly one of the two, unless its batch is abandoned."""
 
     def __init__(self, storage: Storage, model: LoadedModel, devices: list[jax.Device],
                  threads: int | None = None, max_pending: int = 2,
-                 on_stored: Callable[[list[dict[str, Any]]], None] = lambda records: None,
-                 on_failed: Callable[[Rendered, Exception], None] | None = None) -> None:
+                 on_stored: OnStored = lambda records: None, on_failed: OnFailed | None = None) -> None:
         threads = default_store_threads() if threads is None else threads
         if threads < 1:
             raise JobError("store_threads", threads, "must be at least 1")
@@ -138,12 +144,16 @@ class BatchWriter:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="store")
         self._pending: collections.deque[_Storing] = collections.deque()
 
-    def submit(self, batch: list[Rendered]) -> None:
+    def submit(self, batch: list[Rendered], on_stored: OnStored | None = None,
+               on_failed: OnFailed | None = None) -> None:
+        """Store `batch` on the store threads; `on_stored` and `on_failed`, if given, are
+        told how it went instead of the writer's (the worker's batch that owns those jobs)."""
         parts = {campaign: self.manifest.new_part(campaign) for campaign in {r.spec.campaign for r in batch}}
         # One task per thread, not per job: a future costs the consumer's thread more than
         # a small image costs to store.
         chunks = [batch[i::self.threads] for i in range(min(self.threads, len(batch)))]
-        self._pending.append(_Storing(parts, batch, [self._pool.submit(self._store, chunk, parts) for chunk in chunks]))
+        futures = [self._pool.submit(self._store, chunk, parts) for chunk in chunks]
+        self._pending.append(_Storing(parts, futures, on_stored or self.on_stored, on_failed or self.on_failed))
         while len(self._pending) > self.max_pending and not self.stopping.is_set():
             self._finish_oldest(wait=0.1)  # in slices, so a worker told to stop stops waiting
         self.poll()
@@ -168,21 +178,20 @@ class BatchWriter:
         while self._pending and self._finish_oldest(wait=max(0.0, until - time.monotonic())):
             pass
 
-    def abandon(self) -> list[Rendered]:
-        """Give up the batches not finished yet: their jobs, to be tried again elsewhere. A
-        store already running completes; its job is not reported as stored."""
-        results = []
+    def abandon(self) -> None:
+        """Give up the batches not finished yet (their jobs are to be tried again elsewhere):
+        neither callback hears of them. A store already running completes; its job is not
+        reported as stored."""
         for storing in self._pending:
             for future in storing.futures:
                 future.cancel()
-            results += storing.batch
         self._pending.clear()
-        return results
 
     def _finish_oldest(self, wait: float | None = None) -> bool:
         """Finish the oldest batch once it is stored (waiting at most `wait` seconds, if
         given); False if it was not stored in time."""
-        parts, futures = self._pending[0].parts, self._pending[0].futures
+        oldest = self._pending[0]
+        parts, futures = oldest.parts, oldest.futures
         if wait is not None and concurrent.futures.wait(futures, timeout=wait).not_done:
             return False
         self._pending.popleft()
@@ -199,17 +208,12 @@ class BatchWriter:
         except Exception as err:  # noqa: BLE001 - their files stay; the jobs come back and find them
             failures += [(result, err) for result, _ in stored]
             stored = []
-        self.on_stored([record for _, (record, _) in stored])
+        oldest.on_stored([record for _, (record, _) in stored])
         for result, err in failures:
-            if self.on_failed is None:
+            if oldest.on_failed is None:
                 raise err
-            self.on_failed(result, err)
+            oldest.on_failed(result, err)
         return True
-
-    @property
-    def idle(self) -> bool:
-        """Nothing submitted is still waiting to be stored."""
-        return not self._pending
 
     def flush(self) -> None:
         """Wait for every submitted batch to be stored."""
