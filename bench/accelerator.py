@@ -138,14 +138,14 @@ MEMORY_DEVICES = {"80 GB GPU (H100, A100 80GB)": (80e9, 0.75), "16 GB TPU v5e ch
 
 def model_plans(smoke: bool) -> dict[str, dict[str, Any]]:
     """Per model: label, family, size, steps, per-device batch and the configs written."""
-    from diffusion.tiny import _text_config, _unet_config, _vae_config
+    from diffusion.tiny_parts import text_config, unet_config, vae_config
 
     plans = {}
     for name, (label, family, size, steps, batch, configs, scheduler) in FULL.items():
         if smoke:  # diffusion/tiny.py's configs; its tokenizers have 514 tokens (bos 512, eos 513)
-            configs = {"unet": _unet_config(family), "vae": _vae_config(family), "text_encoder": _text_config(514)}
+            configs = {"unet": unet_config(family), "vae": vae_config(family), "text_encoder": text_config(514)}
             if family == "sdxl":
-                configs["text_encoder_2"] = _text_config(514, hidden_act="gelu")
+                configs["text_encoder_2"] = text_config(514, hidden_act="gelu")
             size, steps, batch = SMOKE["size"], SMOKE["steps"], SMOKE["batch"]
         plans[name] = {"label": label, "family": family, "size": size, "steps": steps, "batch": batch,
                        "configs": configs, "scheduler": scheduler}
@@ -254,7 +254,7 @@ def write_pipeline(out: Path, plan: dict[str, Any], seed: int = 0) -> dict[str, 
     from flax.traverse_util import flatten_dict
 
     from diffusion.families import FAMILIES
-    from diffusion.tiny import _EOS, _tokenizer_files
+    from diffusion.tiny_parts import EOS, clip_tokenizer_files
 
     digest = hashlib.sha256(json.dumps([plan["configs"], plan["scheduler"], seed, WRITER_VERSION],
                                        sort_keys=True).encode()).hexdigest()
@@ -264,9 +264,9 @@ def write_pipeline(out: Path, plan: dict[str, Any], seed: int = 0) -> dict[str, 
     started = time.perf_counter()
     shutil.rmtree(out, ignore_errors=True)
     family = FAMILIES[plan["family"]]
-    vocab = _tokenizer_files(out / "tokenizer", pad=_EOS)
+    vocab = clip_tokenizer_files(out / "tokenizer", pad=EOS)
     if plan["family"] == "sdxl":
-        _tokenizer_files(out / "tokenizer_2", pad="!")  # as SDXL's second tokenizer pads
+        clip_tokenizer_files(out / "tokenizer_2", pad="!")  # as SDXL's second tokenizer pads
     index: dict[str, Any] = {"_class_name": family.pipelines[0], "_diffusers_version": "0.42.1",
                              "feature_extractor": [None, None], "image_encoder": [None, None],
                              "scheduler": ["diffusers", plan["scheduler"]["_class_name"]]}
@@ -482,7 +482,7 @@ def memory_arithmetic(plans: dict[str, dict[str, Any]], batches: tuple[int, ...]
             params[component] = jax.eval_shape(module.init_params, jax.random.PRNGKey(0))
             counts[component] = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params[component]))
             modules[component] = module
-        networks = Networks(tuple(modules.items()), True)
+        networks = Networks(tuple(modules.items()), family.options)
         scheduler = make(SCHEDULER, plan["scheduler"])
         static = Static(plan["size"], plan["size"], plan["steps"], True)
         temps = {}

@@ -1,14 +1,26 @@
-"""What a model family is: the components a pipeline folder holds, its tokenizers, the pipeline
-classes it answers to, how it generates, the image sizes it renders and what a denoiser call
-costs. The families themselves are diffusion/families."""
+"""What a model family is: the components a pipeline folder holds, its tokenizers and the
+inputs it makes of a batch's jobs, the pipeline classes it answers to, how it generates, the
+image sizes it renders, what a denoiser call costs, and how a tiny random model of it is
+built. The loader, the engine and the device program use nothing else of a family: they
+pass its inputs along without looking inside. The families themselves are diffusion/families."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
 
 import flax.linen as nn
+import numpy as np
+
+
+class Tokenizer(Protocol):
+    """Texts to fixed-length id rows, and whether each text was cut (diffusion.tokenizer)."""
+
+    max_length: int
+
+    def __call__(self, texts: list[str]) -> tuple[np.ndarray, list[bool]]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,10 +39,13 @@ class Networks:
     specialised on besides the weights (hashable, so the engine can bind it statically)."""
 
     modules: tuple[tuple[str, nn.Module], ...]
-    force_zeros_for_empty_prompt: bool = True
+    options: tuple[tuple[str, Any], ...] = ()  # the family's `options`, as model_index.json sets them
 
     def __getitem__(self, name: str) -> nn.Module:
         return dict(self.modules)[name]
+
+    def option(self, name: str) -> Any:
+        return dict(self.options)[name]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,9 +62,18 @@ class Family:
     name: str
     pipelines: tuple[str, ...]  # model_index.json `_class_name`s (PyTorch and Flax)
     components: Mapping[str, Component]
-    tokenizers: tuple[str, ...]  # tokenizer folders, one per text encoder, in order
+    tokenizers: Mapping[str, Callable[[Path], Tokenizer]]  # folder -> its loader, one per text encoder, in order
     generate: Callable[..., Any]  # (networks, scheduler, static, params, inputs) -> Output
+    # (tokenizers, prompts, negative prompts, seeds, guidance scales) -> (the batch's inputs of
+    # `generate`: a pytree of numpy arrays, leading axis the batch; which prompts were cut)
+    inputs: Callable[[Sequence[Tokenizer], Sequence[str], Sequence[str], Sequence[int], Sequence[float]],
+                     tuple[Any, list[bool]]]
+    abstract_inputs: Callable[[Sequence[Tokenizer], int], Any]  # (tokenizers, batch) -> inputs' shapes and dtypes
     geometry: Callable[[Networks], Geometry]
     # (networks, params, rows, height, width) -> FLOPs of one denoiser call on `rows` inputs (2 per
     # image with classifier-free guidance), None where the backend counts none; `params` may be abstract
     denoiser_flops: Callable[[Networks, Any, int, int, int], float | None]
+    # (this family, folder, seed): write a tiny random-weight pipeline folder (tests, demos)
+    tiny: Callable[[Family, Path, int], None]
+    # pipeline options its `generate` reads from model_index.json, with their defaults
+    options: tuple[tuple[str, Any], ...] = ()

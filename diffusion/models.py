@@ -44,12 +44,11 @@ from tqdm import tqdm
 
 from diffusion.digests import file_sha256
 from diffusion.families import detect
-from diffusion.family import Family, Networks
-from diffusion.generate import Inputs
+from diffusion.family import Family, Networks, Tokenizer
 from diffusion.lora import Patch, read_lora
 from diffusion.schedulers import CLASS_NAMES
 from diffusion.single_file import check_family, read_single_file
-from diffusion.tokenizer import CLIPTokenizer, TokenizerError
+from diffusion.tokenizer import TokenizerError
 from diffusion.weights import (
     PICKLE_SUFFIXES,
     Delta,
@@ -85,39 +84,22 @@ class LoadedModel:
     variant: str | None
     networks: Networks
     params: dict[str, Any]  # component -> parameter tree (jax arrays, replicated over the load's devices)
-    tokenizers: list[CLIPTokenizer]
+    tokenizers: list[Tokenizer]
     configs: dict[str, dict[str, Any]]  # component -> config.json, "scheduler" included
     base: str | None = None  # a single file's base pipeline, as the jobs name it (None: the default)
     loras: tuple[Lora, ...] | None = None  # as the jobs name them
     weights: tuple[dict[str, Any], ...] = ()  # every weights file used: role, file, sha256 (and a LoRA's scale)
 
-    def tokenize(self, texts: list[str]) -> tuple[np.ndarray, list[bool]]:
-        """Token ids (N, tokenizers, max_length) as the pipelines get them (BOS, tokens, EOS,
-        padded or cut), each distinct text once per tokenizer call; and which texts were cut."""
-        row_of = {text: row for row, text in enumerate(dict.fromkeys(texts))}  # batches repeat texts
-        encoded = [tokenizer(list(row_of)) for tokenizer in self.tokenizers]
-        ids = np.stack([rows for rows, _ in encoded], axis=1)
-        cut = np.any([flags for _, flags in encoded], axis=0)
-        rows = [row_of[text] for text in texts]
-        return ids[rows], [bool(cut[r]) for r in rows]
-
     def inputs(self, prompts: Sequence[str], negatives: Sequence[str], seeds: Sequence[int],
-               guidance: Sequence[float]) -> tuple[Inputs, list[bool]]:
+               guidance: Sequence[float]) -> tuple[Any, list[bool]]:
         """One batch's inputs of the family's `generate`, on the host (numpy), a job per
         position; and which prompts the tokenizers cut."""
-        prompt_ids, truncated = self.tokenize(list(prompts))
-        negative_ids, _ = self.tokenize(list(negatives))
-        return Inputs(prompt_ids=prompt_ids, negative_ids=negative_ids,
-                      has_negative=np.array([text != "" for text in negatives]),
-                      keys=np.array([[0, seed] for seed in seeds], dtype=np.uint32),  # == PRNGKey(seed)
-                      guidance=np.array(guidance, dtype=np.float32)), truncated
+        return self.family.inputs(self.tokenizers, prompts, negatives, seeds, guidance)
 
-    def abstract_inputs(self, batch: int, sharding: jax.sharding.Sharding | None = None) -> Inputs:
+    def abstract_inputs(self, batch: int, sharding: jax.sharding.Sharding | None = None) -> Any:
         """The shapes and dtypes of `inputs` for `batch` jobs (what a program is compiled for)."""
-        ids = (batch, len(self.tokenizers), self.tokenizers[0].max_length)
-        spec = functools.partial(jax.ShapeDtypeStruct, sharding=sharding)
-        return Inputs(spec(ids, jnp.int32), spec(ids, jnp.int32), spec((batch,), jnp.bool_),
-                      spec((batch, 2), jnp.uint32), spec((batch,), jnp.float32))
+        return jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+                            self.family.abstract_inputs(self.tokenizers, batch))
 
     @property
     def size_step(self) -> int:
@@ -365,10 +347,11 @@ def load_model(ref: str, dtype: str = "float32", variant: str | None = None, bas
             raise
         params = {name: future.result() for name, future in loading.items()}
     try:
-        tokenizers = [CLIPTokenizer.from_folder(folder / name) for name in family.tokenizers]
+        tokenizers = [load(folder / name) for name, load in family.tokenizers.items()]
     except TokenizerError as err:
         raise JobError("model", ref, str(err)) from None
-    networks = Networks(tuple(modules.items()), bool(index.get("force_zeros_for_empty_prompt", True)))
+    options = tuple((name, index.get(name, default)) for name, default in family.options)
+    networks = Networks(tuple(modules.items()), options)
     leaves = jax.block_until_ready(jax.tree.leaves(params))
     log.info("loaded %s (%s) in %.2f s: %d tensors, %.2f GB on %d devices", ref, dtype, time.perf_counter() - started,
              len(leaves), sum(leaf.nbytes for leaf in leaves) / 1e9, len(sharding.device_set))

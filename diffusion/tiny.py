@@ -1,153 +1,29 @@
-"""Tiny random-weight Stable Diffusion pipelines for tests, demos and benchmarks.
+"""Tiny random-weight pipelines for tests, demos and benchmarks, one recipe per family
+(`Family.tiny`, made of diffusion/tiny_parts.py).
 
 The real checkpoints are gigabytes and need network access; these folders are a few megabytes,
 are built offline in a few seconds, and load through exactly the code real models load through
-(diffusion.models): a diffusers folder with model_index.json, each component's config.json, CLIP
-tokenizer files, and weights in diffusers' Flax msgpack format (the oracle's checkpoints in
-tests/data/oracle are the PyTorch safetensors side). 64x64 native size, VAE scale factor 8.
+(diffusion.models).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
-from typing import Any
-
-import jax
-import numpy as np
-from flax.serialization import msgpack_serialize
-from flax.traverse_util import flatten_dict, unflatten_dict
 
 from diffusion.families import FAMILIES
 
-KINDS = tuple(FAMILIES)
-
-_MAX_LENGTH = 77  # CLIP's context length; every real SD tokenizer pads to it.
-_TEXT_HIDDEN = 32  # hidden size (and SDXL projection_dim) of each tiny CLIP text encoder
-_TIME_EMBED_DIM = 8  # SDXL addition_time_embed_dim (256 in the real model)
-_SD_BETAS = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "num_train_timesteps": 1000}
-_BOS, _EOS = "<|startoftext|>", "<|endoftext|>"
-
-
-def _byte_chars() -> list[str]:
-    """CLIP's (GPT-2's) printable stand-in for each byte, in its `bytes_to_unicode` order: the
-    printable bytes as themselves, then the others as the characters from 256 on."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    return [chr(b) for b in printable] + [chr(256 + n) for n in range(len(others))]
-
-
-def _tokenizer_files(folder: pathlib.Path, pad: str) -> int:
-    """A byte-level CLIP BPE without merges: every UTF-8 byte is a token, so any text encodes.
-    Written as transformers saves a CLIPTokenizer; returns the vocabulary size."""
-    chars = _byte_chars()
-    tokens = chars + [c + "</w>" for c in chars] + [_BOS, _EOS]
-    vocab = {token: i for i, token in enumerate(tokens)}
-    special = {"content": None, "lstrip": False, "normalized": True, "rstrip": False, "single_word": False}
-    decoder = {str(vocab[t]): {**special, "content": t, "special": True} for t in (_BOS, _EOS)}
-    if pad != _EOS:
-        decoder = {str(vocab[pad]): {**special, "content": pad, "normalized": False, "special": True}, **decoder}
-    config = {"added_tokens_decoder": decoder, "bos_token": _BOS, "clean_up_tokenization_spaces": False,
-              "eos_token": _EOS, "errors": "replace", "extra_special_tokens": {}, "model_max_length": _MAX_LENGTH,
-              "pad_token": pad, "tokenizer_class": "CLIPTokenizer", "unk_token": _EOS}
-    tokens_map = {"bos_token": {**special, "content": _BOS}, "eos_token": {**special, "content": _EOS},
-                  "pad_token": pad, "unk_token": {**special, "content": _EOS}}
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "vocab.json").write_text(json.dumps(vocab, indent=2, sort_keys=True, ensure_ascii=False) + "\n",
-                                       encoding="utf-8")
-    (folder / "merges.txt").write_text("#version: 0.2\n", encoding="utf-8")
-    for name, data in (("tokenizer_config.json", config), ("special_tokens_map.json", tokens_map)):
-        (folder / name).write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n",
-                                   encoding="utf-8")
-    return len(vocab)
-
-
-def _text_config(vocab_size: int, **extra: Any) -> dict[str, Any]:
-    return {"model_type": "clip_text_model", "vocab_size": vocab_size, "hidden_size": _TEXT_HIDDEN,
-            "intermediate_size": 37, "num_hidden_layers": 2, "num_attention_heads": 4,
-            "max_position_embeddings": _MAX_LENGTH, "hidden_act": "quick_gelu", "layer_norm_eps": 1e-5,
-            "bos_token_id": vocab_size - 2, "eos_token_id": vocab_size - 1, "pad_token_id": vocab_size - 1,
-            "projection_dim": _TEXT_HIDDEN, **extra}
-
-
-def _unet_config(kind: str) -> dict[str, Any]:
-    """Two UNet levels (one downsampling) on 8x8 latents; SDXL adds the pooled-text + size conditioning."""
-    config = {"sample_size": 8, "in_channels": 4, "out_channels": 4, "block_out_channels": [32, 64],
-              "layers_per_block": 1, "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"],
-              "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"], "attention_head_dim": [2, 4]}
-    if kind == "sd":
-        return {**config, "cross_attention_dim": _TEXT_HIDDEN}
-    return {**config, "cross_attention_dim": 2 * _TEXT_HIDDEN,  # both encoders' hidden states, side by side
-            "use_linear_projection": True, "addition_embed_type": "text_time",
-            "addition_time_embed_dim": _TIME_EMBED_DIM,
-            # pooled text_embeds (text_encoder_2's projection_dim) + 6 micro-conditions (sizes and crop)
-            "projection_class_embeddings_input_dim": _TEXT_HIDDEN + 6 * _TIME_EMBED_DIM}
-
-
-def _vae_config(kind: str) -> dict[str, Any]:
-    """Four blocks, i.e. three downsamplings: vae_scale_factor 8 as in the real SD family."""
-    return {"block_out_channels": [8, 8, 16, 16], "down_block_types": ["DownEncoderBlock2D"] * 4,
-            "up_block_types": ["UpDecoderBlock2D"] * 4, "layers_per_block": 1, "latent_channels": 4,
-            "norm_num_groups": 8, "sample_size": 64, "scaling_factor": 0.18215 if kind == "sd" else 0.13025}
-
-
-def _random_params(module: Any, seed: int, stream: int) -> dict:
-    """Parameters shaped by the module's own initialiser, filled with seeded NumPy values.
-
-    Only the shapes come from JAX (`eval_shape`, no compilation): running the initialisers
-    compiles hundreds of them and takes about a minute on a 2-core CPU. The values follow
-    Flax's defaults (LeCun-normal kernels and embeddings, zero biases, unit norm scales).
-    """
-    rng = np.random.default_rng([seed, stream])
-    shapes = flatten_dict(jax.eval_shape(module.init_params, jax.random.PRNGKey(0)))
-    params = {}
-    for path, leaf in sorted(shapes.items()):
-        if path[-1] == "bias":
-            value = np.zeros(leaf.shape)
-        elif path[-1] == "scale":
-            value = np.ones(leaf.shape)
-        else:  # "kernel" (Dense, Conv) or "embedding"
-            value = rng.standard_normal(leaf.shape) / np.sqrt(np.prod(leaf.shape[:-1]))
-        params[path] = value.astype(leaf.dtype)
-    return unflatten_dict(params)
-
-
-def _write_json(path: pathlib.Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-
 
 def build_tiny_model(out_dir: str | os.PathLike, kind: str = "sd", seed: int = 0) -> pathlib.Path:
-    """Build a tiny random-weight text-to-image pipeline of `kind` ("sd" or "sdxl") in `out_dir`.
+    """Build a tiny random-weight text-to-image pipeline of family `kind` in `out_dir` (the
+    family's own recipe, `Family.tiny`).
 
     Once compiled, it renders a batch of 64x64 images in tens of milliseconds on a CPU, so the
     whole farm can be exercised offline. The weights depend only on `seed`: two builds with the
     same seed write identical files. Returns the folder's path.
     """
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if kind not in FAMILIES:
+        raise ValueError(f"kind must be one of {tuple(FAMILIES)}, got {kind!r}")
     out = pathlib.Path(out_dir)
-    family = FAMILIES[kind]
-    vocab = _tokenizer_files(out / "tokenizer", pad=_EOS)
-    configs = {"text_encoder": _text_config(vocab), "unet": _unet_config(kind), "vae": _vae_config(kind)}
-    scheduler = ({"_class_name": "PNDMScheduler", **_SD_BETAS, "skip_prk_steps": True, "set_alpha_to_one": False,
-                  "steps_offset": 1, "prediction_type": "epsilon"} if kind == "sd" else
-                 # SDXL's own scheduler: Euler, "leading" spacing, steps_offset 1.
-                 {"_class_name": "EulerDiscreteScheduler", **_SD_BETAS, "timestep_spacing": "leading",
-                  "steps_offset": 1, "prediction_type": "epsilon"})
-    if kind == "sdxl":
-        _tokenizer_files(out / "tokenizer_2", pad="!")
-        configs["text_encoder_2"] = _text_config(vocab, hidden_act="gelu")
-    index: dict[str, Any] = {"_class_name": family.pipelines[0], "scheduler": ["diffusers", scheduler["_class_name"]]}
-    for stream, (name, component) in enumerate(sorted(family.components.items())):
-        module = component.module(component.config.from_dict(configs[name]))
-        weights = "diffusion_flax_model.msgpack" if component.kind in ("unet", "vae") else "flax_model.msgpack"
-        _write_json(out / name / "config.json", configs[name])
-        (out / name / weights).write_bytes(msgpack_serialize(_random_params(module, seed, stream)))
-        index[name] = ["diffusers" if component.kind in ("unet", "vae") else "transformers", type(module).__name__]
-    for name in family.tokenizers:
-        index[name] = ["transformers", "CLIPTokenizer"]
-    _write_json(out / "scheduler" / "scheduler_config.json", scheduler)
-    _write_json(out / "model_index.json", index)
+    FAMILIES[kind].tiny(FAMILIES[kind], out, seed)
     return out

@@ -1,17 +1,13 @@
 """The parts tiny random-weight pipelines are made of (diffusion/tiny.py builds them), and
-the SD families' recipe.
-
-The real checkpoints are gigabytes and need network access; these folders are a few megabytes,
-are built offline in a few seconds, and load through exactly the code real models load through
-(diffusion.models): a diffusers folder with model_index.json, each component's config.json, CLIP
-tokenizer files, and weights in diffusers' Flax msgpack format (the oracle's checkpoints in
-tests/data/oracle are the PyTorch safetensors side). 64x64 native size, VAE scale factor 8.
+the SD families' recipe: a diffusers folder with model_index.json, each component's
+config.json, CLIP tokenizer files, and weights in diffusers' Flax msgpack format (the oracle's
+checkpoints in tests/data/oracle are the PyTorch safetensors side). 64x64 native size, VAE
+scale factor 8.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +34,7 @@ def _byte_chars() -> list[str]:
     return [chr(b) for b in printable] + [chr(256 + n) for n in range(len(others))]
 
 
-def clip_tokenizer_files(folder: pathlib.Path, pad: str) -> int:
+def clip_tokenizer_files(folder: pathlib.Path, pad: str, max_length: int = _MAX_LENGTH) -> int:
     """A byte-level CLIP BPE without merges: every UTF-8 byte is a token, so any text encodes.
     Written as transformers saves a CLIPTokenizer; returns the vocabulary size."""
     chars = _byte_chars()
@@ -49,7 +45,7 @@ def clip_tokenizer_files(folder: pathlib.Path, pad: str) -> int:
     if pad != EOS:
         decoder = {str(vocab[pad]): {**special, "content": pad, "normalized": False, "special": True}, **decoder}
     config = {"added_tokens_decoder": decoder, "bos_token": BOS, "clean_up_tokenization_spaces": False,
-              "eos_token": EOS, "errors": "replace", "extra_special_tokens": {}, "model_max_length": _MAX_LENGTH,
+              "eos_token": EOS, "errors": "replace", "extra_special_tokens": {}, "model_max_length": max_length,
               "pad_token": pad, "tokenizer_class": "CLIPTokenizer", "unk_token": EOS}
     tokens_map = {"bos_token": {**special, "content": BOS}, "eos_token": {**special, "content": EOS},
                   "pad_token": pad, "unk_token": {**special, "content": EOS}}

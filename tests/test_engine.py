@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from diffusion.families import latent_unet
 from diffusion.models import LoadedModel
 from renderfarm.jobs import JobSpec
 from tests.conftest import STEPS
@@ -126,7 +127,7 @@ def test_tokenize_gives_each_tokenizers_ids_and_whether_a_text_was_cut(family: s
                                                                        request: pytest.FixtureRequest) -> None:
     model: LoadedModel = request.getfixturevalue(f"{family}_model")
     texts = ["", "a fox", "émoji 🦊 and\ttabs", "lighthouse " * 40, "a fox"]
-    ids, truncated = model.tokenize(texts)
+    ids, truncated = latent_unet.tokenize(model.tokenizers, texts)
     assert ids.shape == (5, len(model.tokenizers), 77)
     for n, tokenizer in enumerate(model.tokenizers):
         assert np.array_equal(ids[:, n], tokenizer(texts)[0])

@@ -72,7 +72,7 @@ def representable(job: dict[str, Any], model: LoadedModel) -> bool:
     """A job the contract can state. A job's empty negative prompt is PyTorch's `None`: SDXL
     then uses zeros (force_zeros_for_empty_prompt), where an explicit "" would be encoded."""
     return not (job["negative_prompt"] == "" and model.family.name == "sdxl"
-                and model.networks.force_zeros_for_empty_prompt)
+                and dict(model.networks.options).get("force_zeros_for_empty_prompt", False))
 
 
 @functools.cache

@@ -8,6 +8,7 @@ import pathlib
 import numpy as np
 import pytest
 
+from diffusion.families import latent_unet
 from diffusion.family import Geometry
 from diffusion.models import load_model
 from diffusion.tiny import build_tiny_model
@@ -29,7 +30,7 @@ def test_builds_deterministically_and_loads_as_real_models_do(tmp_path: pathlib.
     assert (model.family.name, model.native_size, model.size_step) == (kind, 64, 16)
     assert model.family.geometry(model.networks) == Geometry(native_size=64, size_step=16)
     assert len(model.tokenizers) == (2 if kind == "sdxl" else 1)
-    ids, cut = model.tokenize(["Ünïcödé prompt: 猫 🐈, \x00 tab\tand a very long tail " * 5, "a fox"])
+    ids, cut = latent_unet.tokenize(model.tokenizers, ["Ünïcödé prompt: 猫 🐈, \x00 tab\tand a very long tail " * 5, "a fox"])
     assert ids.shape == (2, len(model.tokenizers), 77) and cut == [True, False]
 
 

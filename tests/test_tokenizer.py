@@ -157,9 +157,9 @@ def test_broken_folders_name_the_file(folders: dict[str, Path], tmp_path: Path, 
 
 def test_tiny_models_tokenizer_folders_are_the_committed_ones(tmp_path: Path) -> None:
     """diffusion/tiny.py writes the folders whose ids are committed (as transformers saved them)."""
-    from diffusion.tiny import _tokenizer_files
+    from diffusion.tiny_parts import clip_tokenizer_files
 
     for name, pad in TINY_FOLDERS.items():
-        _tokenizer_files(tmp_path / name, pad)
+        clip_tokenizer_files(tmp_path / name, pad)
         for file in (DATA / "tokenizer" / name).iterdir():
             assert (tmp_path / name / file.name).read_bytes() == file.read_bytes(), (name, file.name)

@@ -30,7 +30,7 @@ from flax.errors import FlaxError
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from diffusion.flops import denoise_flops, program_flops
-from diffusion.generate import Inputs, Output, Static
+from diffusion.generate import Output, Static
 from diffusion.models import LoadedModel
 from diffusion.schedulers import Scheduler, make
 from renderfarm.jobs import JobError, JobSpec, check_sampler, sampler_label
@@ -289,7 +289,7 @@ class Engine:
     def _program_name(self, key: ShapeKey) -> str:
         """Everything the compiled program for `key` depends on (see worker.executables)."""
         return fingerprint(family=self.model.family.name, dtype=self.model.dtype, configs=self.model.configs,
-                           force_zeros=self.model.networks.force_zeros_for_empty_prompt,
+                           options=self.model.networks.options,
                            key=dataclasses.astuple(key), batch_size=self.batch_size,
                            devices=[(d.platform, d.device_kind, d.id) for d in self.devices])
 
@@ -331,11 +331,12 @@ class Engine:
 
     # -- rendering -------------------------------------------------------------------
 
-    def _inputs(self, jobs: list[JobSpec]) -> tuple[Inputs, list[bool]]:
+    def _inputs(self, jobs: list[JobSpec]) -> tuple[Any, list[bool]]:
+        """The family's inputs of a padded batch, sharded over the devices (whatever the pytree)."""
         padded = jobs + [jobs[-1]] * (self.batch_size - len(jobs))
         host, truncated = self.model.inputs([j.prompt for j in padded], [j.negative_prompt for j in padded],
                                             [j.seed for j in padded], [j.guidance_scale for j in padded])
-        return Inputs(*jax.device_put(tuple(host), self._sharded)), truncated[:len(jobs)]
+        return jax.device_put(host, self._sharded), truncated[:len(jobs)]
 
     def dispatch(self, key: ShapeKey, jobs: list[JobSpec]) -> tuple[Output, list[bool]]:
         """Start one batch on the devices; returns at once (JAX dispatch is asynchronous)."""

@@ -4,13 +4,17 @@ says what a family is).
 A family says which components a pipeline folder holds (their networks, config classes and
 checkpoint naming), which tokenizers, which pipeline classes it answers to in
 `model_index.json`, and how it generates: encode the prompts, denoise, decode (its
-`generate`, device-side, jitted by the engine). The engine and the loader use nothing else
-of it, so the next family (Flux, with its transformer and T5 encoder) is one new module here
-plus what its checkpoints need in diffusion/convert.py.
+`generate`, device-side, jitted by the engine), with its inputs, geometry, FLOP model and
+tiny recipe (diffusion/family.py). The engine and the loader use nothing else of it.
+
+Besides the families here, any installed distribution can add one: an entry point in the
+group `renderfarm.families` naming a `Family` (`toy = mypackage.toy:FAMILY`), found when this
+module is imported, in every process (the worker's, `renderfarm render`'s).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,7 +22,31 @@ from diffusion.families import sd, sdxl
 from diffusion.family import Family
 from renderfarm.jobs import JobError
 
-FAMILIES: dict[str, Family] = {family.name: family for family in (sd.FAMILY, sdxl.FAMILY)}
+ENTRY_POINTS = "renderfarm.families"
+
+
+def _installed() -> list[Family]:
+    """The families other distributions add through entry points."""
+    found = []
+    for entry in importlib.metadata.entry_points(group=ENTRY_POINTS):
+        family = entry.load()
+        if not isinstance(family, Family):
+            raise TypeError(f"entry point {entry.name} = {entry.value} in group {ENTRY_POINTS} "
+                            f"is a {type(family).__name__}, not a diffusion.family.Family")
+        found.append(family)
+    return found
+
+
+def _by_name(families: list[Family]) -> dict[str, Family]:
+    named: dict[str, Family] = {}
+    for family in families:
+        if family.name in named:
+            raise ValueError(f"two model families are named {family.name!r}")
+        named[family.name] = family
+    return named
+
+
+FAMILIES: dict[str, Family] = _by_name([sd.FAMILY, sdxl.FAMILY, *_installed()])
 
 
 def detect(ref: str, model_index: Mapping[str, Any]) -> Family:

@@ -15,6 +15,8 @@ from diffusion.nn.clip import CLIPTextConfig, CLIPTextModel
 from diffusion.nn.unet import UNet2DConditionModel, UNetConfig
 from diffusion.nn.vae import AutoencoderKL, VAEConfig
 from diffusion.schedulers import Scheduler
+from diffusion.tiny_parts import write_latent_unet_model
+from diffusion.tokenizer import CLIPTokenizer
 
 
 def generate(nets: Networks, scheduler: Scheduler, static: Static, params: Any, inputs: Inputs) -> Output:
@@ -35,8 +37,11 @@ FAMILY = Family(
     components={"text_encoder": Component(CLIPTextModel, CLIPTextConfig, "clip"),
                 "unet": Component(UNet2DConditionModel, UNetConfig, "unet"),
                 "vae": Component(AutoencoderKL, VAEConfig, "vae")},
-    tokenizers=("tokenizer",),
+    tokenizers={"tokenizer": CLIPTokenizer.from_folder},
+    inputs=latent_unet.inputs,
+    abstract_inputs=latent_unet.abstract_inputs,
     generate=generate,
     geometry=latent_unet.geometry,
     denoiser_flops=latent_unet.denoiser_flops,
+    tiny=write_latent_unet_model,
 )

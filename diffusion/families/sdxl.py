@@ -18,6 +18,11 @@ from diffusion.nn.clip import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithPr
 from diffusion.nn.unet import UNet2DConditionModel, UNetConfig
 from diffusion.nn.vae import AutoencoderKL, VAEConfig
 from diffusion.schedulers import Scheduler
+from diffusion.tiny_parts import write_latent_unet_model
+from diffusion.tokenizer import CLIPTokenizer
+
+
+FORCE_ZEROS = "force_zeros_for_empty_prompt"
 
 
 def generate(nets: Networks, scheduler: Scheduler, static: Static, params: Any, inputs: Inputs) -> Output:
@@ -33,7 +38,7 @@ def generate(nets: Networks, scheduler: Scheduler, static: Static, params: Any, 
     time_ids = jnp.broadcast_to(jnp.array([*size, 0, 0, *size], jnp.float32), (context.shape[0], 6))
     if static.guided:
         negative, negative_pooled = encode(inputs.negative_ids)
-        if nets.force_zeros_for_empty_prompt:
+        if nets.option(FORCE_ZEROS):
             keep = inputs.has_negative
             negative = jnp.where(keep[:, None, None], negative, 0)
             negative_pooled = jnp.where(keep[:, None], negative_pooled, 0)
@@ -51,8 +56,12 @@ FAMILY = Family(
                 "text_encoder_2": Component(CLIPTextModelWithProjection, CLIPTextConfig, "clip_projection"),
                 "unet": Component(UNet2DConditionModel, UNetConfig, "unet"),
                 "vae": Component(AutoencoderKL, VAEConfig, "vae")},
-    tokenizers=("tokenizer", "tokenizer_2"),
+    tokenizers={"tokenizer": CLIPTokenizer.from_folder, "tokenizer_2": CLIPTokenizer.from_folder},
+    inputs=latent_unet.inputs,
+    abstract_inputs=latent_unet.abstract_inputs,
     generate=generate,
     geometry=latent_unet.geometry,
     denoiser_flops=latent_unet.denoiser_flops,
+    tiny=write_latent_unet_model,
+    options=((FORCE_ZEROS, True),),
 )
