@@ -28,6 +28,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import sys
@@ -47,6 +48,7 @@ from diffusion.families import detect
 from diffusion.family import Family, Networks, Tokenizer
 from diffusion.lora import Patch, read_lora
 from diffusion.schedulers import CLASS_NAMES
+from diffusion.sharding import choose_model_parallel, make_mesh, weight_shardings
 from diffusion.single_file import check_family, read_single_file
 from diffusion.tokenizer import TokenizerError
 from diffusion.weights import (
@@ -89,6 +91,7 @@ class LoadedModel:
     base: str | None = None  # a single file's base pipeline, as the jobs name it (None: the default)
     loras: tuple[Lora, ...] | None = None  # as the jobs name them
     weights: tuple[dict[str, Any], ...] = ()  # every weights file used: role, file, sha256 (and a LoRA's scale)
+    model_parallel: int = 1  # devices that share one copy of the weights (diffusion.sharding)
 
     def inputs(self, prompts: Sequence[str], negatives: Sequence[str], seeds: Sequence[int],
                guidance: Sequence[float]) -> tuple[Any, list[bool]]:
@@ -290,13 +293,15 @@ def replicated(devices: Sequence[jax.Device] | None = None) -> NamedSharding:
 
 
 def load_model(ref: str, dtype: str = "float32", variant: str | None = None, base: str | None = None,
-               loras: tuple[Lora, ...] | None = None, devices: Sequence[jax.Device] | None = None) -> LoadedModel:
+               loras: tuple[Lora, ...] | None = None, devices: Sequence[jax.Device] | None = None,
+               model_parallel: int | None = 1) -> LoadedModel:
     """Load a model for the farm: a diffusers pipeline folder (any reference), or a single
     checkpoint file with `base`'s configs and tokenizers; then merge `loras` (reference,
     scale) into its weights. With bfloat16 the weights are cast (after merging); the
     schedulers keep their state in float32 whatever the dtype. The weights are placed on
-    `devices` (default: all local devices), a whole copy on each, before this returns; the
-    time it took is logged."""
+    `devices` (default: all local devices) before this returns: a whole copy on each, or
+    with `model_parallel` N > 1 one copy per N devices, split over them (diffusion.sharding;
+    None: the fewest that fit the devices' memory). The time it took is logged."""
     started = time.perf_counter()
     if dtype not in DTYPES:
         raise JobError("dtype", dtype, f"must be one of {', '.join(DTYPES)}")
@@ -318,7 +323,15 @@ def load_model(ref: str, dtype: str = "float32", variant: str | None = None, bas
     configs = {name: _read_json(ref, folder / name / "config.json") for name in family.components}
     configs["scheduler"] = _read_json(ref, folder / "scheduler" / "scheduler_config.json")
     deltas = _lora_deltas(loras or (), family, sources, weights)
-    sharding = replicated(devices)
+    devices = list(devices or jax.local_devices())
+    if model_parallel is None:
+        model_parallel = _fitting_model_parallel(ref, folder, family, sources, dtype, devices)
+    try:
+        mesh = make_mesh(devices, model_parallel)
+    except ValueError as err:
+        raise JobError("model_parallel", model_parallel, f"must divide the {len(devices)} devices") from err
+    # Split weights are converted on the host and placed shard by shard; whole copies go the fast way.
+    sharding = replicated(devices) if model_parallel == 1 else None
     modules: dict[str, Any] = {}
     # Each component's weights load on a thread of their own, in order, while the next component's
     # expected shapes are traced here (jax.eval_shape of the whole network: seconds for a UNet).
@@ -346,6 +359,8 @@ def load_model(ref: str, dtype: str = "float32", variant: str | None = None, bas
                     future.result()
             raise
         params = {name: future.result() for name, future in loading.items()}
+    if model_parallel > 1:
+        params = {name: jax.device_put(tree, weight_shardings(tree, mesh)) for name, tree in params.items()}
     try:
         tokenizers = [load(folder / name) for name, load in family.tokenizers.items()]
     except TokenizerError as err:
@@ -353,11 +368,26 @@ def load_model(ref: str, dtype: str = "float32", variant: str | None = None, bas
     options = tuple((name, index.get(name, default)) for name, default in family.options)
     networks = Networks(tuple(modules.items()), options)
     leaves = jax.block_until_ready(jax.tree.leaves(params))
-    log.info("loaded %s (%s) in %.2f s: %d tensors, %.2f GB on %d devices", ref, dtype, time.perf_counter() - started,
-             len(leaves), sum(leaf.nbytes for leaf in leaves) / 1e9, len(sharding.device_set))
+    log.info("loaded %s (%s) in %.2f s: %d tensors, %.2f GB on %d devices%s", ref, dtype,
+             time.perf_counter() - started, len(leaves), sum(leaf.nbytes for leaf in leaves) / 1e9, len(devices),
+             f", split over {model_parallel} per copy" if model_parallel > 1 else "")
     return LoadedModel(ref=ref, revision=revision, family=family, dtype=dtype, variant=variant, networks=networks,
                        params=params, tokenizers=tokenizers, configs=configs, base=base, loras=loras or None,
-                       weights=tuple(weights))
+                       weights=tuple(weights), model_parallel=model_parallel)
+
+
+def _fitting_model_parallel(ref: str, folder: Path, family: Family, sources: dict[str, dict[str, TensorInfo]],
+                            dtype: str, devices: list[jax.Device]) -> int:
+    """`choose_model_parallel` for this model's weights in `dtype` (safetensors: their tensors'
+    sizes; Flax msgpack: the files' sizes) and the devices' memory."""
+    size = DTYPES[dtype].itemsize
+    weight_bytes = sum(math.prod(info.shape) * size for tensors in sources.values() for info in tensors.values())
+    weight_bytes += sum(path.stat().st_size for name in family.components if name not in sources
+                        for path in (folder / name).glob("*.msgpack"))
+    try:
+        return choose_model_parallel(weight_bytes, (devices[0].memory_stats() or {}).get("bytes_limit"), len(devices))
+    except ValueError as err:
+        raise JobError("model", ref, str(err)) from None
 
 
 def _single_file(ref: str, variant: str | None, base: str | None, weights: list[dict[str, Any]],

@@ -53,7 +53,8 @@ def load_named_model(args: argparse.Namespace) -> LoadedModel:
     from renderfarm.storage import open_storage
 
     set_bucket_opener(open_storage)
-    return load_model(args.model, args.dtype, args.variant, args.base, parse_loras(args.loras))
+    return load_model(args.model, args.dtype, args.variant, args.base, parse_loras(args.loras),
+                      model_parallel=args.model_parallel)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -191,9 +192,22 @@ def compile_cache_flag(parser: argparse.ArgumentParser) -> None:
                              "~/.cache/renderfarm/jax); it must be the worker user's alone")
 
 
-def per_device_batch_flag(parser: argparse.ArgumentParser) -> None:
+def devices_flags(parser: argparse.ArgumentParser) -> None:
+    """How the model uses the host's devices: copies of its weights, and jobs per batch."""
+    parser.add_argument("--model-parallel", type=_model_parallel, default=None, metavar="N|auto",
+                        help="devices that share one copy of the weights, split over them (diffusion/sharding.py); "
+                             "auto: the fewest whose memory holds them, 1 where they fit one device (default auto)")
     parser.add_argument("--per-device-batch", type=int, default=1, metavar="N",
-                        help="jobs per device in a batch (a batch is devices x N jobs; default 1)")
+                        help="jobs per copy of the weights in a batch (a batch is devices / model-parallel x N jobs; "
+                             "default 1)")
+
+
+def _model_parallel(text: str) -> int | None:
+    if text == "auto":
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of devices (1 or more) or auto")
+    return int(text)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -206,7 +220,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     render = sub.add_parser("render", help="render jobs in this process (no broker)")
     job_flags(render)
     render.add_argument("--out", required=True, help="local folder or gs://bucket/prefix")
-    per_device_batch_flag(render)
+    devices_flags(render)
     store_threads_flag(render)
     compile_cache_flag(render)
     render.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -217,7 +231,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="hub id[@revision], local folder or gs:// folder, or one .safetensors file")
     worker.add_argument("--out", required=True, help="local folder or gs://bucket/prefix")
     weights_flags(worker)
-    per_device_batch_flag(worker)
+    devices_flags(worker)
     worker.add_argument("--max-wait", type=float, default=2.0, metavar="SECONDS",
                         help="seconds a partial batch waits for more jobs while the devices are busy "
                              "(default 2; idle devices take it once no job has come for 50 ms)")

@@ -5,7 +5,10 @@ and calls the jitted functions of `diffusion.generate`.
 Data parallelism is `jax.jit` of a `shard_map` over a one-axis device mesh: the batch axis
 of every input is split over devices, parameters are replicated, and each device runs the
 per-device program (docs/performance.md has the measurements against pmap and against
-jit's automatic partitioning).
+jit's automatic partitioning). A model loaded with its weights split over a model axis
+(`LoadedModel.model_parallel` > 1, diffusion/sharding.py) runs as one `jax.jit` over the
+(data, model) mesh instead: batches over the data axis, and XLA partitions the program
+around the split weights.
 """
 
 from __future__ import annotations
@@ -27,12 +30,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax.errors import FlaxError
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from diffusion.flops import denoise_flops, program_flops
 from diffusion.generate import Output, Static
 from diffusion.models import LoadedModel
 from diffusion.schedulers import Scheduler, make
+from diffusion.sharding import DATA, make_mesh, weight_shardings
 from renderfarm.jobs import JobError, JobSpec, check_sampler, sampler_label
 from worker.executables import ExecutableStore, fingerprint, private_folder
 
@@ -115,7 +119,7 @@ log = logging.getLogger(__name__)
 # kept programs may take PROGRAM_SHARE of a device's memory, within these bounds; where the
 # backend reports no memory limit (CPU), DEFAULT_MAX_PROGRAMS.
 DEFAULT_MAX_PROGRAMS, MAX_PROGRAMS_BOUNDS, PROGRAM_SHARE = 16, (2, 64), 0.05
-BATCH, REPLICATED = PartitionSpec("data"), PartitionSpec()
+BATCH, REPLICATED = PartitionSpec(DATA), PartitionSpec()
 CACHE_HIT = "/jax/compilation_cache/cache_hits"
 JAX_EVENTS: collections.Counter[str] = collections.Counter()
 
@@ -155,11 +159,14 @@ class Engine:
             raise JobError("max_programs", max_programs, "must be at least 1")
         self.model = model
         self.devices = list(devices or jax.local_devices())
-        self.batch_size = len(self.devices) * per_device_batch
-        mesh = Mesh(np.array(self.devices), ("data",))
+        try:
+            mesh = make_mesh(self.devices, model.model_parallel)
+        except ValueError as err:
+            raise JobError("model_parallel", model.model_parallel, f"must divide the {len(self.devices)} devices") \
+                from err
+        self.batch_size = mesh.shape[DATA] * per_device_batch  # a device batch per copy of the weights
         self._sharded = NamedSharding(mesh, BATCH)
-        self._replicated = NamedSharding(mesh, REPLICATED)
-        self._params = jax.device_put(model.params, self._replicated)
+        self._params = jax.device_put(model.params, weight_shardings(model.params, mesh))
         self._schedulers: dict[tuple[str, str | None, bool | None], Scheduler] = {}
         # Compiled programs, least recently used first; at most max_programs are kept.
         self._compiled: collections.OrderedDict[ShapeKey, Any] = collections.OrderedDict()
@@ -262,13 +269,15 @@ class Engine:
                 return saved[0]
         fn = partial(self.model.family.generate, self.model.networks, self.scheduler(key),
                      Static(key.height, key.width, key.steps, key.guided))
-        # Each device runs the per-device program on its slice of the batch, as pmap
-        # would; check_vma=False because the scheduler's state starts out unvarying.
-        fn = jax.shard_map(fn, mesh=self._sharded.mesh, in_specs=(REPLICATED, BATCH),
-                           out_specs=BATCH, check_vma=False)
+        if self.model.model_parallel == 1:
+            # Each device runs the per-device program on its slice of the batch, as pmap
+            # would; check_vma=False because the scheduler's state starts out unvarying.
+            fn = jax.shard_map(fn, mesh=self._sharded.mesh, in_specs=(REPLICATED, BATCH),
+                               out_specs=BATCH, check_vma=False)
         start, hits = time.perf_counter(), JAX_EVENTS[CACHE_HIT]
         try:
-            lowered = jax.jit(fn).lower(self._params, self.model.abstract_inputs(self.batch_size, self._sharded))
+            lowered = jax.jit(fn, out_shardings=self._sharded).lower(
+                self._params, self.model.abstract_inputs(self.batch_size, self._sharded))
         except FlaxError as err:  # weights put together by hand, not by the loader, which checks them
             raise JobError("model", self.model.ref, f"weights do not match its config: {err}") from err
         program = lowered.compile()
@@ -291,16 +300,17 @@ class Engine:
         return fingerprint(family=self.model.family.name, dtype=self.model.dtype, configs=self.model.configs,
                            options=self.model.networks.options,
                            key=dataclasses.astuple(key), batch_size=self.batch_size,
+                           model_parallel=self.model.model_parallel,
                            devices=[(d.platform, d.device_kind, d.id) for d in self.devices])
 
     def _count_flops(self, key: ShapeKey, compiled: Any) -> float | None:
-        """XLA counts the per-device program, its denoising loop once: add the other steps'
-        denoiser calls (2 rows per job with classifier-free guidance, else 1), then all devices."""
-        rows = (2 if key.guided else 1) * self.batch_size // len(self.devices)
-        model = self.model
-        step = model.family.denoiser_flops(model.networks, self._params, rows, key.height, key.width)
-        per_device_flops = denoise_flops(program_flops(compiled), step, key.steps)
-        return None if per_device_flops is None else per_device_flops * len(self.devices)
+        """XLA counts the per-device program, its denoising loop once: all devices' programs,
+        plus the other steps' denoiser calls on the whole batch (2 rows per job with
+        classifier-free guidance, else 1)."""
+        rows = (2 if key.guided else 1) * self.batch_size
+        step = self.model.family.denoiser_flops(self.model.networks, self._params, rows, key.height, key.width)
+        program = program_flops(compiled)
+        return denoise_flops(None if program is None else program * len(self.devices), step, key.steps)
 
     def flops(self, key: ShapeKey) -> float | None:
         """FLOPs of one batch of `key` on all devices, from XLA's count of the compiled
