@@ -11,6 +11,7 @@ in a few regular ways, written out below instead of found by matching against a 
 - the leaf follows the layer: a norm's `weight` is `scale`, an embedding's `weight` is
   `embedding`, a conv's `weight` (O, I, H, W) is `kernel` (H, W, I, O), a linear's `weight`
   (out, in) is `kernel` (in, out); `bias` stays `bias`;
+- T5's embedding tables are named `shared` and `relative_attention_bias` (its `_Rules.tables`);
 - a few layers have other names (table `_KINDS`): the Flax VAE's mid-block attention calls
   `to_q/to_k/to_v/to_out.0` `query/key/value/proj_attn` (old PyTorch VAE checkpoints used those
   names too, so they map to themselves); CLIP's `position_ids` buffer is not a parameter.
@@ -44,6 +45,7 @@ class _Rules:
     dropped: frozenset[str] = frozenset()  # buffers, not parameters
     prefix: str = ""  # put before every name whose first part is not one of `top_level`
     top_level: frozenset[str] = frozenset()
+    tables: frozenset[str] = frozenset()  # layers besides `*embedding` whose weight is an embedding table
 
 
 _CLIP = _Rules(
@@ -62,6 +64,12 @@ _KINDS = {
     ),
     "clip": _CLIP,
     "clip_projection": _CLIP,
+    # diffusers' FluxTransformer2DModel: the names as they are (indices joined, as in the UNet).
+    "flux": _Rules(join_index=True),
+    # transformers' T5EncoderModel: its token table `shared` (saved once, though the encoder
+    # ties `encoder.embed_tokens` to it) and the relative position buckets are embeddings.
+    "t5": _Rules(join_index=True, dropped=frozenset({"encoder.embed_tokens.weight"}),
+                 tables=frozenset({"shared", "relative_attention_bias"})),
 }
 KINDS = tuple(_KINDS)
 
@@ -107,7 +115,7 @@ def target(kind: str, name: str, ndim: int) -> Target | None:
         return Target((*layers, leaf), None)
     if "norm" in layer:  # GroupNorm / LayerNorm: norm1, conv_norm_out, group_norm, layer_norm1, ...
         return Target((*layers, "scale"), None)
-    if layer.endswith("embedding") and ndim == 2:  # token_embedding, position_embedding
+    if (layer.endswith("embedding") or layer in rules.tables) and ndim == 2:  # token_embedding, position_embedding
         return Target((*layers, "embedding"), None)
     if ndim == 4:  # Conv2d (O, I, H, W) -> (H, W, I, O)
         return Target((*layers, "kernel"), (2, 3, 1, 0))

@@ -14,6 +14,11 @@ from typing import Any, Protocol
 import flax.linen as nn
 import numpy as np
 
+from renderfarm.jobs import SCHEDULERS
+
+# The samplers of the DDPM training schedule (the UNet models'): all the contract's but flow_euler.
+DDPM_SCHEDULERS = tuple(name for name in SCHEDULERS if name != "flow_euler")
+
 
 class Tokenizer(Protocol):
     """Texts to fixed-length id rows, and whether each text was cut (diffusion.tokenizer)."""
@@ -77,3 +82,5 @@ class Family:
     tiny: Callable[[Family, Path, int], None]
     # pipeline options its `generate` reads from model_index.json, with their defaults
     options: tuple[tuple[str, Any], ...] = ()
+    # the job contract's schedulers its models run (a job naming another is refused)
+    schedulers: tuple[str, ...] = DDPM_SCHEDULERS

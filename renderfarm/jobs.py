@@ -17,10 +17,10 @@ import reprlib
 from collections.abc import Mapping
 from typing import Any
 
-SCHEDULERS = ("pndm", "ddim", "lms", "euler", "dpm", "euler_a", "lcm")
+SCHEDULERS = ("pndm", "ddim", "lms", "euler", "dpm", "euler_a", "lcm", "flow_euler")
 SPACINGS = ("leading", "trailing", "linspace")  # diffusers' timestep_spacing
 KARRAS_SCHEDULERS = ("lms", "euler", "dpm")  # those with Karras sigmas (use_karras_sigmas)
-UNSPACED_SCHEDULERS = ("lcm",)  # those that place their own timesteps (timestep_spacing does not apply)
+UNSPACED_SCHEDULERS = ("lcm", "flow_euler")  # those that place their own timesteps (timestep_spacing does not apply)
 DTYPES = ("float32", "bfloat16")
 SEED_LIMIT = 2**32
 MAX_PROMPT_CHARS = 10_000  # far beyond 77 tokens; stops megabyte prompts at the door

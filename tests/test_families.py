@@ -96,3 +96,12 @@ def test_a_plugin_that_is_no_family_or_takes_a_taken_name_is_refused(tmp_path: P
         _installed()
     with pytest.raises(ValueError, match="two model families are named 'sd'"):
         _by_name([FAMILIES["sd"], FAMILIES["sdxl"], FAMILIES["sd"]])
+
+
+def test_a_job_naming_a_scheduler_its_family_does_not_run_is_refused(sd_engine) -> None:  # noqa: ANN001
+    from renderfarm.jobs import JobError, JobSpec
+
+    spec = JobSpec(prompt="a fox", seed=0, steps=4, width=64, height=64, scheduler="flow_euler",
+                   model=sd_engine.model.ref)
+    with pytest.raises(JobError, match=r"scheduler='flow_euler': a sd model runs pndm, ddim, lms, euler, dpm, euler_a, lcm"):
+        sd_engine.check(spec)

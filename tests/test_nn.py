@@ -333,7 +333,6 @@ def test_real_configs_are_read() -> None:
     (UNetConfig, SDXL_UNET, "time_cond_proj_dim", 256),
     (UNetConfig, SDXL_UNET, "center_input_sample", True),
     (UNetConfig, SDXL_UNET, "attention_head_dim", [5, 10, 7]),
-    (VAEConfig, SDXL_VAE, "use_quant_conv", False),
     (VAEConfig, SDXL_VAE, "mid_block_add_attention", False),
     (VAEConfig, SDXL_VAE, "up_block_types", ["AttnUpDecoderBlock2D"] * 4),
     (CLIPTextConfig, SD15_TEXT_ENCODER, "hidden_act", "relu"),

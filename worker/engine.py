@@ -199,6 +199,9 @@ class Engine:
             raise JobError("loras", spec.loras, f"this engine serves the LoRA set {self.model.loras!r}")
         native = self.model.native_size
         scheduler = spec.scheduler or self.model.default_scheduler
+        family = self.model.family
+        if scheduler not in family.schedulers:
+            raise JobError("scheduler", scheduler, f"a {family.name} model runs {', '.join(family.schedulers)}")
         check_sampler(scheduler, spec.timestep_spacing, spec.karras)
         return ShapeKey(spec.width or native, spec.height or native, spec.steps, scheduler,
                         guided=spec.guidance_scale > 1, timestep_spacing=spec.timestep_spacing, karras=spec.karras)

@@ -114,12 +114,18 @@ def use_kernel(name: str) -> Iterator[None]:
 use_layout = use_kernel  # its name when it chose among LAYOUTS only (bench/modules.py, tests)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, heads: int, causal: bool = False) -> jax.Array:
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, heads: int, causal: bool = False,
+              bias: jax.Array | None = None, scale: float | None = None) -> jax.Array:
     """Multi-head attention of q (B, T, heads*H) over k, v (B, S, heads*H) -> (B, T, heads*H),
-    scaled by 1/sqrt(H); `causal` lets position t see positions <= t only (CLIP)."""
+    scaled by `scale` (default 1/sqrt(H)); `causal` lets position t see positions <= t only
+    (CLIP). A `bias` (broadcast to (B, heads, T, S)) is added to the scores before the softmax
+    (T5's relative positions): only jax's XLA attention takes one, so it runs that."""
     b, t, inner = q.shape
     split = lambda x: x.reshape(x.shape[0], x.shape[1], heads, inner // heads)  # noqa: E731
     q, k, v = split(q), split(k), split(v)
+    if bias is not None or scale is not None:
+        out = jax.nn.dot_product_attention(q, k, v, bias=bias, scale=scale, is_causal=causal, implementation="xla")
+        return out.reshape(b, t, inner)
     kernel = _kernel.get() or choose(current_backend(), q.shape, k.shape, q.dtype, causal)
     return _IMPLEMENTATIONS[kernel](q, k, v, causal).reshape(b, t, inner)
 

@@ -157,16 +157,17 @@ class LayerNorm(nn.Module):
 
     eps: float
     dtype: Dtype = jnp.float32
+    affine: bool = True  # False: no scale and bias (elementwise_affine=False)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        c = x.shape[-1]
-        scale = self.param("scale", nn.initializers.ones, (c,))
-        bias = self.param("bias", nn.initializers.zeros, (c,))
         x = x.astype(jnp.float32)
         centred = x - x.mean(-1, keepdims=True)
         y = centred * jax.lax.rsqrt(jnp.square(centred).mean(-1, keepdims=True) + self.eps)
-        return (y * scale + bias).astype(self.dtype)
+        if self.affine:
+            c = x.shape[-1]
+            y = y * self.param("scale", nn.initializers.ones, (c,)) + self.param("bias", nn.initializers.zeros, (c,))
+        return y.astype(self.dtype)
 
 
 class ResnetBlock2D(nn.Module):
@@ -260,14 +261,27 @@ class BasicTransformerBlock(nn.Module):
         return x + FeedForward(self.dtype, name="ff")(norm("norm3")(x))
 
 
-class FeedForward(nn.Module):
-    """GEGLU to 4x the width and back (diffusers' `FeedForward`, names net_0 and net_2)."""
+class TanhGELU(nn.Module):
+    """diffusers' GELU(approximate="tanh"): a projection, then the tanh GELU."""
 
+    features: int
     dtype: Dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = GEGLU(4 * x.shape[-1], self.dtype, name="net_0")(x)
+        return jax.nn.gelu(nn.Dense(self.features, dtype=self.dtype, name="proj")(x), approximate=True)
+
+
+class FeedForward(nn.Module):
+    """GEGLU (or, `gelu_tanh`, diffusers' "gelu-approximate": Flux) to 4x the width and back
+    (diffusers' `FeedForward`, names net_0 and net_2)."""
+
+    dtype: Dtype = jnp.float32
+    gelu_tanh: bool = False
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = (TanhGELU if self.gelu_tanh else GEGLU)(4 * x.shape[-1], self.dtype, name="net_0")(x)
         return nn.Dense(x.shape[-1], dtype=self.dtype, name="net_2")(h)
 
 

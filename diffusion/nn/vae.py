@@ -41,9 +41,10 @@ class VAEConfig:
     shift_factor: float | None = None
     latents_mean: tuple[float, ...] | None = None
     latents_std: tuple[float, ...] | None = None
+    use_quant_conv: bool = True  # False in Flux's 16-channel VAE: no 1x1 conv after the encoder
+    use_post_quant_conv: bool = True  # nor before the decoder
 
-    FIXED: ClassVar[Mapping[str, Any]] = {"act_fn": "silu", "use_quant_conv": True, "use_post_quant_conv": True,
-                                          "mid_block_add_attention": True}
+    FIXED: ClassVar[Mapping[str, Any]] = {"act_fn": "silu", "mid_block_add_attention": True}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> VAEConfig:
@@ -142,8 +143,10 @@ class AutoencoderKL(nn.Module):
         latent = self.config.latent_channels
         self.encoder = Encoder(self.config, self.dtype)
         self.decoder = Decoder(self.config, self.dtype)
-        self.quant_conv = conv(2 * latent, 1, "quant_conv", self.dtype)
-        self.post_quant_conv = conv(latent, 1, "post_quant_conv", self.dtype)
+        identity = lambda x: x  # noqa: E731
+        self.quant_conv = conv(2 * latent, 1, "quant_conv", self.dtype) if self.config.use_quant_conv else identity
+        self.post_quant_conv = (conv(latent, 1, "post_quant_conv", self.dtype) if self.config.use_post_quant_conv
+                                else identity)
 
     def encode(self, pixels: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(B, C, H, W) pixels in [-1, 1] -> the latent distribution's (mean, logvar), each

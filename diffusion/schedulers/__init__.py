@@ -8,6 +8,9 @@ count (timesteps, sigmas, per-step coefficients, which multistep order each step
 on the host by `set_timesteps` and becomes constants; the state carries fixed-size history buffers,
 and `scale_model_input` and `step` take the traced loop index, so one compiled loop runs them all.
 
+One is for flow-matching models (flow_euler: Flux), whose sample moves along the predicted
+velocity; the others are for the DDPM training schedule of the UNet models.
+
 Two are stochastic (euler_a, lcm): each step adds fresh noise. PyTorch draws it from the pipeline's
 generator, one stream for the whole batch; here each job's step i draws
 `normal(fold_in(PRNGKey(seed), i))` (diffusion/generate.py), so a job's pixels stay its own in any
@@ -26,6 +29,7 @@ from diffusion.schedulers.ddim import DDIMScheduler, DDIMState
 from diffusion.schedulers.dpm import DPMScheduler, DPMState
 from diffusion.schedulers.euler import EulerScheduler, EulerState
 from diffusion.schedulers.euler_a import EulerAncestralScheduler, EulerAncestralState
+from diffusion.schedulers.flow_euler import FlowMatchEulerScheduler, FlowState
 from diffusion.schedulers.lcm import LCMScheduler, LCMState
 from diffusion.schedulers.lms import LMSScheduler, LMSState
 from diffusion.schedulers.pndm import PNDMScheduler, PNDMState
@@ -44,6 +48,8 @@ __all__ = [
     "EulerAncestralState",
     "EulerScheduler",
     "EulerState",
+    "FlowMatchEulerScheduler",
+    "FlowState",
     "LCMScheduler",
     "LCMState",
     "LMSScheduler",
@@ -56,7 +62,7 @@ __all__ = [
 
 # The job contract's scheduler names (renderfarm.jobs.SCHEDULERS), each the port of a PyTorch class.
 SCHEDULERS = {cls.name: cls for cls in (PNDMScheduler, DDIMScheduler, LMSScheduler, EulerScheduler, DPMScheduler,
-                                         EulerAncestralScheduler, LCMScheduler)}
+                                         EulerAncestralScheduler, LCMScheduler, FlowMatchEulerScheduler)}
 assert tuple(SCHEDULERS) == CONTRACT_SCHEDULERS, "renderfarm.jobs.SCHEDULERS names the schedulers"
 assert KARRAS_SCHEDULERS == tuple(n for n, c in SCHEDULERS.items() if issubclass(c, SigmaScheduleConfig))
 # Scheduler classes model folders name (PyTorch's and diffusers' Flax twins) -> the contract's names.

@@ -25,22 +25,12 @@ F32 = np.float32
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class SchedulerConfig:
-    """The options every scheduler takes; subclasses add theirs and redeclare a field to change
-    its default. Field names and defaults are those of the PyTorch class's `__init__`."""
-
-    num_train_timesteps: int = 1000
-    beta_start: float = 0.0001
-    beta_end: float = 0.02
-    beta_schedule: str = "linear"
-    trained_betas: tuple[float, ...] | None = None
-    prediction_type: str = "epsilon"
-    timestep_spacing: str = "linspace"
-    steps_offset: int = 0
+class Configured:
+    """A scheduler whose fields are its PyTorch class's `__init__` options, with its defaults,
+    made from a model's scheduler config as diffusers' `from_config` does."""
 
     name: ClassVar[str]  # make()'s name for it: the job contract's (renderfarm.jobs.SCHEDULERS)
     diffusers_class: ClassVar[str]  # the PyTorch class it ports, as model folders name it
-    prediction_types: ClassVar[tuple[str, ...]] = ("epsilon", "v_prediction", "sample")
     # A stochastic scheduler's `step` takes a fifth argument: the step's noise, drawn from the
     # job's own key by the generate loop (the reproducibility contract's noise rule).
     stochastic: ClassVar[bool] = False
@@ -57,17 +47,34 @@ class SchedulerConfig:
             given["trained_betas"] = tuple(float(b) for b in given["trained_betas"])
         return cls(**given)
 
-    def __post_init__(self) -> None:
-        self.require("beta_schedule", ("linear", "scaled_linear", "squaredcos_cap_v2"))
-        self.require("prediction_type", self.prediction_types)
-        self.require("timestep_spacing", ("linspace", "leading", "trailing"))
-
     def require(self, option: str, allowed: Collection[Any]) -> None:
         """Refuse a value of `option` outside `allowed`, naming both."""
         value = getattr(self, option)
         if value not in allowed:
             raise ValueError(f"{self.name} scheduler: {option}={value!r} is not supported "
                              f"(supported: {', '.join(map(repr, allowed))})")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SchedulerConfig(Configured):
+    """The options every scheduler of the DDPM training schedule takes; subclasses add theirs
+    and redeclare a field to change its default."""
+
+    num_train_timesteps: int = 1000
+    beta_start: float = 0.0001
+    beta_end: float = 0.02
+    beta_schedule: str = "linear"
+    trained_betas: tuple[float, ...] | None = None
+    prediction_type: str = "epsilon"
+    timestep_spacing: str = "linspace"
+    steps_offset: int = 0
+
+    prediction_types: ClassVar[tuple[str, ...]] = ("epsilon", "v_prediction", "sample")
+
+    def __post_init__(self) -> None:
+        self.require("beta_schedule", ("linear", "scaled_linear", "squaredcos_cap_v2"))
+        self.require("prediction_type", self.prediction_types)
+        self.require("timestep_spacing", ("linspace", "leading", "trailing"))
 
     def alphas_cumprod(self, rescale_zero_snr: bool = False) -> np.ndarray:
         """float32 alphas_cumprod of the training schedule, as the PyTorch constructors build it."""

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-PARTS = ("pipelines", "tokenizer", "schedulers", "nn", "weights", "samplers", "single_file", "lora")
+PARTS = ("pipelines", "tokenizer", "schedulers", "nn", "weights", "samplers", "single_file", "lora", "flux")
 
 
 def main(argv: list[str]) -> int:

@@ -37,6 +37,7 @@ from diffusers import (
     DPMSolverMultistepScheduler,
     EulerAncestralDiscreteScheduler,
     EulerDiscreteScheduler,
+    FlowMatchEulerDiscreteScheduler,
     LCMScheduler,
     LMSDiscreteScheduler,
     PNDMScheduler,
@@ -47,7 +48,8 @@ from tests.oracle.noise import contract_noise
 
 CLASSES = {"pndm": PNDMScheduler, "ddim": DDIMScheduler, "lms": LMSDiscreteScheduler,
            "euler": EulerDiscreteScheduler, "dpm": DPMSolverMultistepScheduler,
-           "euler_a": EulerAncestralDiscreteScheduler, "lcm": LCMScheduler}
+           "euler_a": EulerAncestralDiscreteScheduler, "lcm": LCMScheduler,
+           "flow_euler": FlowMatchEulerDiscreteScheduler}
 CLASSES_BY_NAME = {cls.__name__: cls for cls in CLASSES.values()}
 SHAPE = (2, 4, 4, 4)
 STEPS = (1, 2, 3, 4, 7, 25)
