@@ -10,7 +10,7 @@ export JAX_PLATFORMS ?= cpu
 SYSTEM_PACKAGES := redis-server chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test bench lock clean system-packages oracle
+.PHONY: demo test check bench lock clean system-packages oracle
 
 $(BIN)/.installed: pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
@@ -29,8 +29,14 @@ demo: $(BIN)/.installed
 		--out out --campaign demo --seed 0 --steps 4
 	@echo "images, sidecars, manifest.jsonl and the gallery (index.html, preview.png) are in out/demo/"
 
+# Two test processes (compiling is single-threaded); tests/conftest.py keeps the farm's tests to one.
+TEST_PROCESSES ?= 2
 test: $(BIN)/.installed system-packages
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES)
+
+# A change's inner loop: everything but the farm's worker processes, the oracle's renders and Chromium.
+check: $(BIN)/.installed system-packages
+	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) -m "not farm and not oracle and not browser"
 
 system-packages:
 	@command -v redis-server >/dev/null && command -v chromium >/dev/null || \

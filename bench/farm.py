@@ -28,10 +28,10 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import redis  # noqa: E402
 
+from harness.farm import WorkerProcess, farm_app, wait_for  # noqa: E402
+from harness.redis_server import RedisServer  # noqa: E402
 from producer import submit  # noqa: E402
 from renderfarm.progress import key  # noqa: E402
-from tests.farm import WorkerProcess, farm_app, wait_for  # noqa: E402
-from tests.redis_server import RedisServer  # noqa: E402
 
 SUBMIT_TARGET = 2000  # jobs/s
 # (b) measures the control plane, not this machine's disk: where there is a RAM-backed

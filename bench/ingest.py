@@ -17,9 +17,9 @@ import threading
 import time
 from pathlib import Path
 
+from harness.redis_server import RedisServer
 from producer.campaigns import parse_spec, run_campaign
 from renderfarm.settings import Settings
-from tests.redis_server import RedisServer
 
 TARGET_RATE, TARGET_MB = 5000, 300
 

@@ -20,13 +20,13 @@ from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+from harness.farm import WorkerProcess, farm_app, manifest_ids, manifest_records, wait_for  # noqa: E402
+from harness.redis_server import RedisServer  # noqa: E402
 from producer.submit import submit_jobs  # noqa: E402
 from renderfarm.jobs import JobSpec  # noqa: E402
 from renderfarm.progress import Progress  # noqa: E402
 from renderfarm.settings import Settings  # noqa: E402
 from renderfarm.storage import open_storage  # noqa: E402
-from tests.farm import WorkerProcess, farm_app, manifest_ids, manifest_records, wait_for  # noqa: E402
-from tests.redis_server import RedisServer  # noqa: E402
 
 SHAPES = ((64, 64), (96, 64), (64, 96))  # the tiny model's size step is 16
 

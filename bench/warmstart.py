@@ -22,12 +22,12 @@ from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+from harness.farm import WorkerProcess, enqueue, farm_app, wait_for  # noqa: E402
+from harness.redis_server import RedisServer  # noqa: E402
 from renderfarm.jobs import JobSpec  # noqa: E402
 from renderfarm.layout import sidecar_name  # noqa: E402
 from renderfarm.progress import Progress  # noqa: E402
 from renderfarm.storage import open_storage  # noqa: E402
-from tests.farm import WorkerProcess, enqueue, farm_app, wait_for  # noqa: E402
-from tests.redis_server import RedisServer  # noqa: E402
 
 SHAPES = "64x64@25,128x128@25"
 

@@ -32,11 +32,11 @@ from pathlib import Path
 
 import redis
 
+from harness.redis_server import RedisServer
 from producer.campaigns import CampaignSpec, run_campaign
 from renderfarm.progress import Progress
 from renderfarm.queue import priority_lists, queue_name
 from renderfarm.settings import Settings
-from tests.redis_server import RedisServer
 from worker.broker import POP_AND_RECORD
 from worker.envelope import open_envelope
 

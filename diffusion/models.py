@@ -39,8 +39,7 @@ from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from diffusion.digests import file_sha256
@@ -288,8 +287,9 @@ def _read_json(ref: str, path: Path) -> dict[str, Any]:
 
 
 def replicated(devices: Sequence[jax.Device] | None = None) -> NamedSharding:
-    """Whole copies on each of `devices` (default: all local devices), as the engine keeps weights."""
-    return NamedSharding(Mesh(np.array(list(devices or jax.local_devices())), ("data",)), PartitionSpec())
+    """Whole copies on each of `devices` (default: all local devices), on the mesh the engine
+    keeps its weights on (so it keeps them without a copy)."""
+    return NamedSharding(make_mesh(list(devices or jax.local_devices()), 1), PartitionSpec())
 
 
 def load_model(ref: str, dtype: str = "float32", variant: str | None = None, base: str | None = None,

@@ -1,5 +1,6 @@
-"""How the tests see the world: eight CPU devices, no hub, tiny models built here, and
-compiled pipelines shared across tests (compilation is the slow part on a CPU)."""
+"""How the tests see the world: eight CPU devices, no hub, tiny models built here, compiled
+pipelines shared across tests (compilation is the slow part on a CPU), and one farm of real
+processes shared by the test files whose campaigns are namespaced anyway."""
 
 from __future__ import annotations
 
@@ -15,14 +16,48 @@ os.environ["HF_HOME"] = os.path.join(_SANDBOX, "hf")
 os.environ["RENDERFARM_MODEL_CACHE"] = os.path.join(_SANDBOX, "models")
 os.environ["RENDERFARM_COMPILE_CACHE"] = os.path.join(_SANDBOX, "jax-cache")
 
-from collections.abc import Callable, Iterator  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from tests.farm import STEPS  # noqa: E402, F401 - the tests' step count, imported from here
+from harness.farm import WorkerProcess, farm_app  # noqa: E402
+from harness.redis_server import RedisServer, free_port  # noqa: E402
+from renderfarm.progress import Progress  # noqa: E402
+from renderfarm.storage import Storage, open_storage  # noqa: E402
+from tests.fault_proxies import GcsProxy  # noqa: E402
 from tests.gcs_emulator import GcsEmulator  # noqa: E402
-from tests.redis_server import RedisServer  # noqa: E402
+from tests.helpers import FARM_OUT, STORE_THREADS, Cli, Farm, scrape  # noqa: E402
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test that uses the session's farm is a `farm` test, marked or not (`make check`)."""
+    for item in items:
+        if "farm" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.farm)
+
+
+# `make test` runs two processes (pytest-xdist; compiling is single-threaded). The files that use
+# the session's farm run in one of them, so one farm starts; the oracle's renders of each model
+# family run in one, so each family's models load once (SDXL's and the others' side by side).
+FARM_FILES = ("test_farm.py", "test_promises.py", "test_campaigns.py", "test_metrics.py", "test_flower.py")
+ORACLE_FILES = ("test_reference.py", "test_engine.py", "test_single_file.py")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Groups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::")[0].rsplit("/", 1)[-1]
+            if file in FARM_FILES:
+                return "farm"
+            if file in ORACLE_FILES:
+                return "oracle-sdxl" if "sdxl" in nodeid else "oracle-sd"
+            return nodeid  # any other test runs wherever there is room
+
+    return Groups(config, log)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -103,7 +138,71 @@ def gcs(gcs_server: GcsEmulator, monkeypatch: pytest.MonkeyPatch) -> GcsEmulator
     return gcs_server
 
 
-Cli = Callable[..., tuple[int, str, str]]
+# Short timeouts, so that jobs a Redis restart strands come back within seconds (tests/test_farm.py).
+FARM_ENV = {"RENDERFARM_VISIBILITY_TIMEOUT": "10", "RENDERFARM_RESTORE_INTERVAL": "1",
+            "RENDERFARM_MAX_ATTEMPTS": "2"}
+
+# Test instrumentation for the farm's workers only: Python 3.11 does not give its threads
+# OS-level names (3.14 does), so a test cannot see a worker's thread pools from outside.
+# This names each thread's OS thread after the Python thread (ThreadPoolExecutor's
+# `store_0`, `store_1`, ...); it changes nothing else.
+THREAD_NAMES = '''\
+import ctypes
+import threading
+
+_prctl = ctypes.CDLL(None).prctl
+_bootstrap_inner = threading.Thread._bootstrap_inner
+
+
+def _named(self):
+    try:
+        _prctl(15, self.name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except Exception:
+        pass
+    _bootstrap_inner(self)
+
+
+threading.Thread._bootstrap_inner = _named
+'''
+
+
+@pytest.fixture(scope="session")
+def farm(gcs_server: GcsEmulator, tiny_sd: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Farm]:
+    """Started once a session (worker processes are the slow part of a farm test): a Redis of its
+    own (append-only, so that a restart keeps what was written), two workers with --metrics-port
+    and --store-threads 3, storing to FARM_OUT through a proxy. The first worker compiles into a
+    cold cache of its own, so that its metrics show the compile; the second uses the session's."""
+    server = RedisServer(appendonly=True)
+    gcs_server.create_bucket(FARM_OUT.removeprefix("gs://").split("/")[0])
+    proxy = GcsProxy(gcs_server.url)
+    site = tmp_path_factory.mktemp("thread-names")
+    (site / "sitecustomize.py").write_text(THREAD_NAMES)
+    env = {**FARM_ENV, "STORAGE_EMULATOR_HOST": proxy.url,
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
+    logs = tmp_path_factory.mktemp("farm-logs")
+    app = farm_app(server.url)
+    ports = [free_port(), free_port()]
+    cold = ("--compile-cache", str(tmp_path_factory.mktemp("cold-cache")))
+    workers = [WorkerProcess(tiny_sd, FARM_OUT, server.url, f"w{i}", logs, env,
+                             extra=("--store-threads", str(STORE_THREADS), "--metrics-port", str(port),
+                                    *(cold if i == 0 else ())))
+               for i, port in enumerate(ports)]
+    try:
+        for worker in workers:
+            worker.wait_ready(app)
+        yield Farm(server, app, Progress(server.client()), workers, proxy, env, logs, ports,
+                   [scrape(port) for port in ports])
+    finally:
+        for worker in workers:
+            worker.stop()
+        proxy.close()
+        server.close()
+
+
+@pytest.fixture()
+def bucket(farm: Farm, gcs: GcsEmulator) -> Storage:
+    """The farm's output, read straight from the emulator (not through the proxy)."""
+    return open_storage(FARM_OUT)
 
 
 @pytest.fixture()

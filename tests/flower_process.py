@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tests.redis_server import free_port
+from harness.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")

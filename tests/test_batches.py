@@ -20,7 +20,7 @@ from renderfarm.jobs import parse_job
 from renderfarm.layout import index_name
 from renderfarm.queue import ENQUEUED_HEADER
 from renderfarm.storage import open_storage
-from tests.conftest import STEPS
+from harness.farm import STEPS
 from worker.batches import BatchHook, Job, JobBatch, State
 from worker.engine import Batch, Rendered, ShapeKey
 from worker.hooks import FleetHook, GalleryHook, MetricsHook

@@ -19,9 +19,9 @@ import redis
 from kombu import Connection, Exchange, Queue
 from kombu.asynchronous import Hub
 
+from harness.redis_server import RedisServer
 from renderfarm import deadletters
 from renderfarm.queue import PRIORITY_STEPS, TASK_NAME, redis_priority
-from tests.redis_server import RedisServer
 
 TRANSPORT = "worker.broker:Transport"
 # As renderfarm.queue configures it, with a short visibility timeout and a restore scan on
@@ -149,11 +149,11 @@ def test_popped_by_a_consumer_killed_before_it_reads_the_reply_comes_back(broker
     victim = textwrap.dedent(f"""
         import os, signal, time
         import redis
-        from kombu import Connection
-        from tests.test_broker import OPTIONS, QUEUE
+        from kombu import Connection, Exchange, Queue
         r = redis.Redis(port={redis_server.port})
-        with Connection({broker!r}, transport={TRANSPORT!r}, transport_options=OPTIONS) as conn:
-            with conn.Consumer(QUEUE, callbacks=[]) as consumer:
+        queue = Queue({QUEUE.name!r}, Exchange({QUEUE.exchange.name!r}), {QUEUE.routing_key!r})
+        with Connection({broker!r}, transport={TRANSPORT!r}, transport_options={OPTIONS!r}) as conn:
+            with conn.Consumer(queue, callbacks=[]) as consumer:
                 conn.transport.cycle._register_BRPOP(consumer.channel)  # sends the pop; never read
                 while sum(r.llen(k) for k in r.scan_iter("jobs*")):
                     time.sleep(0.01)

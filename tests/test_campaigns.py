@@ -1,7 +1,8 @@
-"""Campaign runs against a real redis-server and a real `renderfarm worker` with the tiny
-model: bad rows and --strict, resume of a finished and of a cancelled campaign (every job
-stored exactly once), and the `renderfarm campaign` commands; windowed campaigns, with a
-feeder killed or cut off from Redis as it sends a chunk, and its lock."""
+"""Campaign runs against a real redis-server and the session's farm (real `renderfarm worker`
+processes with the tiny model): bad rows and --strict, a finished campaign run again (at the
+producer: its results stored), resume of a cancelled campaign (every job stored exactly once),
+and the `renderfarm campaign` commands; windowed campaigns, with a feeder killed or cut off
+from Redis as it sends a chunk, and its lock."""
 
 from __future__ import annotations
 
@@ -15,13 +16,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 
 import producer.window
+from harness.farm import STEPS, manifest_ids, wait_for
+from harness.redis_server import RedisServer
 from producer.campaigns import CampaignSpec, StrictError, campaign_jobs, load_spec, run_campaign
 from producer.status import cancel_campaign
 from producer.window import FeederBusy
@@ -29,10 +32,9 @@ from renderfarm.progress import Progress
 from renderfarm.queue import queue_name
 from renderfarm.settings import Settings
 from renderfarm.storage import open_storage
-from tests.conftest import STEPS, Cli
-from tests.farm import WorkerProcess, farm_app, manifest_ids, wait_for
 from tests.fault_proxies import TcpProxy
-from tests.redis_server import RedisServer
+from tests.gcs_emulator import GcsEmulator
+from tests.helpers import FARM_OUT, Cli, Farm, store_jobs
 
 SUBMIT = importlib.import_module("producer.submit")  # `producer.submit` is also the package's function
 
@@ -97,14 +99,11 @@ def test_validate_prints_jobs_and_shapes(tmp_path: Path, cli: Cli) -> None:
     assert code == 2 and f"{bad}: step=3: unknown key" in err
 
 
-@pytest.fixture(scope="module")
-def worker(redis_server: RedisServer, tiny_sd: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    out = tmp_path_factory.mktemp("campaign-out")
-    logs = tmp_path_factory.mktemp("campaign-logs")
-    process = WorkerProcess(tiny_sd, str(out), redis_server.url, "campaigns", logs)
-    process.wait_ready(farm_app(redis_server.url))
-    yield {"out": out, "model": str(tiny_sd), "process": process}
-    process.stop()
+@pytest.fixture()
+def worker(farm: Farm, gcs: GcsEmulator, tiny_sd: Path) -> dict:
+    """The session's farm as these tests use it: where its workers store (this test's storage
+    client pointed at the emulator) and the model whose queue they serve."""
+    return {"out": FARM_OUT, "model": str(tiny_sd)}
 
 
 def write_worker_spec(tmp_path: Path, worker: dict, name: str, n: int) -> Path:
@@ -113,32 +112,47 @@ def write_worker_spec(tmp_path: Path, worker: dict, name: str, n: int) -> Path:
                       images_per_prompt=2)
 
 
-def test_a_finished_campaign_run_again_submits_nothing(
-        worker: dict, redis_server: RedisServer, tmp_path: Path, cli: Cli) -> None:
-    redis_server.client().flushall()
+@pytest.mark.farm
+def test_a_campaign_run_with_wait_reports_when_it_is_finished(
+        worker: dict, farm: Farm, tmp_path: Path, cli: Cli) -> None:
     path = write_worker_spec(tmp_path, worker, "twice", 4)
-    spec = load_spec(path)
-    code, out, _ = cli("campaign", "run", path, "--wait", "--timeout", 240, "--broker", redis_server.url)
+    code, out, _ = cli("campaign", "run", path, "--wait", "--timeout", 240, "--broker", farm.broker)
     assert code == 0, out
     assert "enqueued 8 jobs" in out and "finished: 8 done, 0 failed, 0 cancelled" in out
     assert re.search(r"campaign twice: [\d.]+ device-hours, [\d,]+ images per device-hour", out), out
-    storage = open_storage(str(worker["out"]))
-    ids = {j.job_id for j in campaign_jobs(spec)}
-    assert sorted(manifest_ids(storage, "twice")) == sorted(ids)
-    stamps = {p: p.stat().st_mtime_ns for p in (worker["out"] / "twice").iterdir()}
+    ids = {j.job_id for j in campaign_jobs(load_spec(path))}
+    assert sorted(manifest_ids(open_storage(str(worker["out"])), "twice")) == sorted(ids)
 
-    run = run_campaign(spec, settings=Settings(broker_url=redis_server.url))
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_a_finished_campaign_run_again_submits_nothing(broker: str, redis_server: RedisServer, tmp_path: Path,
+                                                       cli: Cli, sd_model: Any, window: int | None) -> None:
+    """Every job's result in storage (stored as a worker stores it): a run, windowed or not,
+    sends nothing and touches no file; what the worker does with a finished job delivered again
+    is tests/test_farm.py's."""
+    out = tmp_path / "out"
+    path = write_spec(tmp_path, "twice", "some/model", "rows.txt", output=str(out), images_per_prompt=2,
+                      **({"window": window} if window else {}))
+    (tmp_path / "rows.txt").write_text("".join(f"twice lighthouse {i}\n" for i in range(4)))
+    spec = load_spec(path)
+    jobs = list(campaign_jobs(spec))
+    store_jobs(open_storage(str(out)), sd_model, jobs, [(200, 40, 40)] * len(jobs))
+    stamps = {p: p.stat().st_mtime_ns for p in (out / "twice").iterdir()}
+
+    run = run_campaign(spec, settings=Settings(broker_url=broker))
     assert (run.jobs, run.already_done, run.submitted, run.submission) == (8, 8, 0, None)
     assert "nothing to do: all 8 jobs already in storage" in run.summary()
-    assert queued(redis_server, worker["model"]) == 0
-    assert {p: p.stat().st_mtime_ns for p in (worker["out"] / "twice").iterdir()} == stamps
+    code, printed, _ = cli("campaign", "run", path, "--broker", broker)
+    assert code == 0 and "nothing to do: all 8 jobs already in storage" in printed, printed
+    assert queued(redis_server, "some/model") == 0
+    assert {p: p.stat().st_mtime_ns for p in (out / "twice").iterdir()} == stamps
 
 
+@pytest.mark.farm
 def test_a_cancelled_campaign_run_again_finishes_every_job_once(
-        worker: dict, redis_server: RedisServer, tmp_path: Path) -> None:
-    redis_server.client().flushall()
-    settings = Settings(broker_url=redis_server.url)
-    progress = Progress(redis_server.client())
+        worker: dict, farm: Farm, tmp_path: Path) -> None:
+    settings = Settings(broker_url=farm.broker)
+    progress = Progress(farm.redis.client())
     spec = load_spec(write_worker_spec(tmp_path, worker, "halfway", 8))  # 16 jobs
     # Half of it rendered: the first 4 rows are a spec of their own (same rows, same seeds).
     (tmp_path / "first-half.txt").write_text("".join(f"halfway lighthouse {i}\n" for i in range(4)))
@@ -146,14 +160,11 @@ def test_a_cancelled_campaign_run_again_finishes_every_job_once(
     assert run_campaign(first_half, settings=settings).submitted == 8
     wait_for(lambda: progress.status("halfway")["done"] == 8, 240, "the first half")
 
-    # The rest submitted, then cancelled before the (paused) worker reaches it: it skips them.
-    worker["process"].proc.send_signal(signal.SIGSTOP)
-    try:
+    # The rest submitted, then cancelled before the (paused) workers reach it: they skip them.
+    with farm.paused():
         run = run_campaign(spec, settings=settings)
         assert (run.jobs, run.already_done, run.submitted) == (16, 8, 8)
-        cancel_campaign("halfway", redis_server.url)
-    finally:
-        worker["process"].proc.send_signal(signal.SIGCONT)
+        cancel_campaign("halfway", farm.broker)
     wait_for(lambda: progress.status("halfway")["cancelled"] == 8, 240, "8 jobs skipped as cancelled")
     storage = open_storage(str(worker["out"]))
     assert len(manifest_ids(storage, "halfway")) == 8
@@ -198,13 +209,13 @@ class Sampler(threading.Thread):
         self.join()
 
 
+@pytest.mark.farm
 def test_a_windowed_campaign_keeps_at_most_its_window_and_no_key_per_job(
-        worker: dict, redis_server: RedisServer, tmp_path: Path, cli: Cli) -> None:
-    redis_server.client().flushall()
+        worker: dict, farm: Farm, tmp_path: Path, cli: Cli) -> None:
     path = write_worker_spec(tmp_path, worker, "windowed", 12)  # 24 jobs
-    with Sampler(redis_server, "windowed", worker["model"]) as sampler:
+    with Sampler(farm.redis, "windowed", worker["model"]) as sampler:
         code, out, err = cli("campaign", "run", path, "--window", 6, "--wait", "--timeout", 240,
-                             "--broker", redis_server.url)
+                             "--broker", farm.broker)
     assert code == 0, err
     assert "enqueued 24 jobs" in out and "through a window of 6 jobs" in out, out
     assert "finished: 24 done, 0 failed, 0 cancelled" in out
@@ -212,26 +223,23 @@ def test_a_windowed_campaign_keeps_at_most_its_window_and_no_key_per_job(
     ids = manifest_ids(open_storage(str(worker["out"])), "windowed")
     assert len(ids) == len(set(ids)) == 24
     # Counts and the (empty) open set; no set, hash or key that grows with the campaign.
-    assert campaign_keys(redis_server, "windowed") == {"counts", "times"}
-    status = Progress(redis_server.client()).status("windowed")
+    assert campaign_keys(farm.redis, "windowed") == {"counts", "times"}
+    status = Progress(farm.redis.client()).status("windowed")
     assert {k: status[k] for k in ("submitted", "done", "queued", "running", "window", "jobs", "finished")} == \
         {"submitted": 24, "done": 24, "queued": 0, "running": 0, "window": 6, "jobs": 24, "finished": True}
-    code, out, _ = cli("status", "windowed", "--broker", redis_server.url)
+    code, out, _ = cli("status", "windowed", "--broker", farm.broker)
     assert "window            6 jobs queued or running at most, 24 jobs in all" in out, out
-    code, out, err = cli("campaign", "run", path, "--window", 6, "--broker", redis_server.url)
-    assert code == 0 and "nothing to do: all 24 jobs already in storage" in out
 
 
-def test_a_stopped_feeder_resumes_sending_nothing_twice(worker: dict, redis_server: RedisServer,
+@pytest.mark.farm
+def test_a_stopped_feeder_resumes_sending_nothing_twice(worker: dict, farm: Farm,
                                                         tmp_path: Path) -> None:
-    redis_server.client().flushall()
-    client, settings = redis_server.client(), Settings(broker_url=redis_server.url)
+    client, settings = farm.redis.client(), Settings(broker_url=farm.broker)
     path = write_worker_spec(tmp_path, worker, "resumed", 8)  # 16 jobs
     spec = dataclasses.replace(load_spec(path), window=4)
-    worker["process"].proc.send_signal(signal.SIGSTOP)  # nothing is taken: the window fills and stays full
-    try:
+    with farm.paused():  # nothing is taken: the window fills and stays full
         feeder = subprocess.Popen([sys.executable, "-m", "renderfarm_cli", "campaign", "run", str(path),
-                                   "--window", "4", "--broker", redis_server.url], stderr=subprocess.DEVNULL)
+                                   "--window", "4", "--broker", farm.broker], stderr=subprocess.DEVNULL)
         wait_for(lambda: client.scard("rf:c:resumed:open") == 4, 60, "the window full")
         assert client.exists("rf:c:resumed:feeder")
         with pytest.raises(FeederBusy, match=r"campaign='resumed': is being fed by another run \(.+\)"):
@@ -239,15 +247,13 @@ def test_a_stopped_feeder_resumes_sending_nothing_twice(worker: dict, redis_serv
         feeder.terminate()  # as an operator stops it: the lock goes with it
         assert feeder.wait(30) == 128 + signal.SIGTERM
         # (a paused worker's pop already sent to Redis may have taken some: they wait in unacked)
-        messages = lambda: queued(redis_server, worker["model"]) + client.hlen("unacked")  # noqa: E731
+        messages = lambda: queued(farm.redis, worker["model"]) + client.hlen("unacked")  # noqa: E731
         assert not client.exists("rf:c:resumed:feeder") and messages() == 4
         runs: list = []
         again = threading.Thread(target=lambda: runs.append(run_campaign(spec, settings=settings)))
         again.start()
         time.sleep(1)
         assert messages() == 4  # the earlier run's 4 stay; the window is full
-    finally:
-        worker["process"].proc.send_signal(signal.SIGCONT)
     again.join(240)
     [run] = runs
     assert (run.jobs, run.already_done, run.queued, run.submitted) == (16, 0, 4, 12)
@@ -259,23 +265,20 @@ def test_a_stopped_feeder_resumes_sending_nothing_twice(worker: dict, redis_serv
     assert len(ids) == len(set(ids)) == 16 and set(ids) == {j.job_id for j in campaign_jobs(spec)}
 
 
+@pytest.mark.farm
 def test_feeders_of_two_campaigns_run_at_once_and_a_cancel_stops_one(
-        worker: dict, redis_server: RedisServer, tmp_path: Path) -> None:
-    redis_server.client().flushall()
-    settings, progress = Settings(broker_url=redis_server.url), Progress(redis_server.client())
+        worker: dict, farm: Farm, tmp_path: Path) -> None:
+    settings, progress = Settings(broker_url=farm.broker), Progress(farm.redis.client())
     specs = {name: dataclasses.replace(load_spec(write_worker_spec(tmp_path, worker, name, 5)), window=3)
              for name in ("left", "right")}  # 10 jobs each
     runs: dict = {}
-    worker["process"].proc.send_signal(signal.SIGSTOP)
-    try:
+    with farm.paused():
         feeders = [threading.Thread(target=lambda n=name: runs.__setitem__(n, run_campaign(specs[n], settings=settings)))
                    for name in specs]
         for feeder in feeders:
             feeder.start()
         wait_for(lambda: all(progress.status(n)["queued"] == 3 for n in specs), 60, "both windows filled")
-        cancel_campaign("left", redis_server.url)
-    finally:
-        worker["process"].proc.send_signal(signal.SIGCONT)
+        cancel_campaign("left", farm.broker)
     for feeder in feeders:
         feeder.join(240)
     assert runs["right"].submitted == 10 and runs["right"].submission.stopped is None
@@ -468,26 +471,26 @@ main(sys.argv[1:])
 """
 
 
+@pytest.mark.farm
 def test_a_feeder_killed_as_it_sends_a_chunk_leaves_no_open_job_without_its_message(
-        worker: dict, redis_server: RedisServer, tmp_path: Path) -> None:
+        worker: dict, farm: Farm, tmp_path: Path) -> None:
     """Killed as it sends its second chunk (window 4, chunks of 2): that chunk is neither
     recorded open nor pushed, so a run again sends it and the campaign finishes."""
-    redis_server.client().flushall()
     path = write_worker_spec(tmp_path, worker, "killed", 4)  # 8 jobs
     feeder = subprocess.run([sys.executable, "-c", KILLED_FEEDER, "campaign", "run", str(path), "--window", "4",
-                             "--broker", redis_server.url], capture_output=True, text=True, timeout=120)
+                             "--broker", farm.broker], capture_output=True, text=True, timeout=120)
     assert feeder.returncode == -signal.SIGKILL, feeder.stderr[-2000:]
-    assert submitted(redis_server, "killed") == 2  # the first chunk only
-    finishes_every_job_once(worker, redis_server, dataclasses.replace(load_spec(path), window=4))
+    assert submitted(farm.redis, "killed") == 2  # the first chunk only
+    finishes_every_job_once(worker, farm.redis, dataclasses.replace(load_spec(path), window=4))
 
 
+@pytest.mark.farm
 def test_redis_failing_as_a_feeder_sends_a_chunk_leaves_no_open_job_without_its_message(
-        worker: dict, redis_server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        worker: dict, farm: Farm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The feeder's Redis goes away as it sends its second chunk: the run fails, that chunk is
     neither recorded open nor pushed, and a run again sends it."""
-    redis_server.client().flushall()
     spec = dataclasses.replace(load_spec(write_worker_spec(tmp_path, worker, "lost", 4)), window=4)  # 8 jobs
-    proxy = TcpProxy(redis_server.port)
+    proxy = TcpProxy(farm.redis.port)
     chunks: list = []
 
     def pushing(messages: list) -> None:
@@ -496,13 +499,13 @@ def test_redis_failing_as_a_feeder_sends_a_chunk_leaves_no_open_job_without_its_
             proxy._listener.shutdown(socket.SHUT_RDWR)  # closed while a thread waits in accept takes them)
             proxy.close()
 
-    monkeypatch.setattr(SUBMIT, "pushing", pushing)
-    monkeypatch.setattr(producer.window, "LOCK_SECONDS", 1)  # the lock it cannot release expires soon
-    try:
-        with pytest.raises(redis.ConnectionError):
-            run_campaign(spec, settings=Settings(broker_url=proxy.url()))
-    finally:
-        proxy.close()
-    assert submitted(redis_server, "lost") == 2  # the first chunk only
-    monkeypatch.undo()
-    finishes_every_job_once(worker, redis_server, spec)
+    with monkeypatch.context() as patched:  # for this run only (the emulator's address stays set)
+        patched.setattr(SUBMIT, "pushing", pushing)
+        patched.setattr(producer.window, "LOCK_SECONDS", 1)  # the lock it cannot release expires soon
+        try:
+            with pytest.raises(redis.ConnectionError):
+                run_campaign(spec, settings=Settings(broker_url=proxy.url()))
+        finally:
+            proxy.close()
+    assert submitted(farm.redis, "lost") == 2  # the first chunk only
+    finishes_every_job_once(worker, farm.redis, spec)

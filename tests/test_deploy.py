@@ -7,9 +7,6 @@ systemd-managed worker per TPU host under its own narrow service account).
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import io
 import os
 import re
 import shlex
@@ -28,8 +25,9 @@ import redis
 import yaml
 from packaging.specifiers import SpecifierSet
 
+from harness.redis_server import free_port
 from renderfarm_cli import parser
-from tests.redis_server import free_port
+from tests.helpers import check_renderfarm_args
 
 ROOT = Path(__file__).resolve().parent.parent
 INFRA = ROOT / "infra"
@@ -45,26 +43,6 @@ BROKER = "redis://:${RENDERFARM_REDIS_PASSWORD}@redis:6379/0"
 SECRETS = ("RENDERFARM_REDIS_PASSWORD", "RENDERFARM_FLOWER_AUTH")
 
 # -- validating `renderfarm ...` command lines against the real parser ---------------------------
-
-def subcommands(top: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    return {name: sub for action in top._actions if isinstance(action, argparse._SubParsersAction)
-            for name, sub in action.choices.items()}
-
-
-def check_renderfarm_args(argv: list[str], where: str) -> argparse.Namespace:
-    """Parse `renderfarm ARGV` with renderfarm_cli.parser(); fail with the parser's message."""
-    assert argv, f"{where}: `renderfarm` without a subcommand"
-    top = parser()
-    known = subcommands(top)
-    if argv[0] not in known:
-        pytest.fail(f"{where}: `renderfarm {argv[0]}` is not a renderfarm subcommand ({sorted(known)})")
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            return top.parse_args(argv)
-    except SystemExit:
-        pytest.fail(f"{where}: renderfarm {shlex.join(argv)}\n{err.getvalue()}")
-
 
 def renderfarm_commands(script: str) -> list[list[str]]:
     """The `renderfarm` invocations of a `sh -c` script (commands joined by &&)."""

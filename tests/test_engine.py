@@ -13,13 +13,11 @@ from PIL import Image
 
 from diffusion.families import latent_unet
 from diffusion.models import LoadedModel
+from harness.farm import STEPS
 from renderfarm.jobs import JobSpec
-from tests.conftest import STEPS
-from tests.test_reference import BATCHES, DATA, ORACLE, SAMPLER_BATCHES, loaded, representable, spec
+from tests.helpers import BATCHES, DATA, ORACLE, SAMPLER_BATCHES, TOLERANCE, loaded, representable, spec
 from worker.engine import Engine
 from worker.png import encode_png, paeth_filter
-
-TOLERANCE = 2  # out of 255, per channel (the contract)
 
 
 def job(model: LoadedModel, i: int, **fields: object) -> JobSpec:
@@ -32,6 +30,7 @@ def max_diff(a: np.ndarray, b: np.ndarray) -> int:
     return int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max())
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize(("folder", "scheduler"), [("sd1/model", "dpm"), ("sdxl/model", "dpm"), ("sd1/model", "euler_a")])
 def test_a_job_is_the_same_image_wherever_it_runs(folder: str, scheduler: str) -> None:
     """The contract: a job's image does not depend on the batch it is in, its position in it,
@@ -45,15 +44,16 @@ def test_a_job_is_the_same_image_wherever_it_runs(folder: str, scheduler: str) -
         references, image_root = BATCHES[(folder, None, scheduler, 64, 64)], ORACLE
     references = [job for job in references if representable(job, model)]
     specs = [spec(model, job) for job in references]
+    one_device = Engine(model, devices=jax.devices()[:1])
     for target in (0, 1):  # no negative prompt, then one
         expected = np.asarray(Image.open(image_root / references[target]["image"]).convert("RGB"))
         batch = specs + [dataclasses.replace(specs[target], seed=s) for s in range(8 - len(specs))]
         alone = engine.render([specs[target]])[0].image
         full = engine.render(batch)[target].image
         moved = engine.render(batch[::-1])[len(batch) - 1 - target].image
-        one_device = Engine(model, devices=jax.devices()[:1]).render([specs[target]])[0].image
+        on_one = one_device.render([specs[target]])[0].image
         for name, got in (("alone", alone), ("in a full batch", full),
-                          ("at another position", moved), ("on one device", one_device)):
+                          ("at another position", moved), ("on one device", on_one)):
             assert max_diff(got, expected) <= TOLERANCE, f"{folder} {scheduler} job {target} {name} differs from PyTorch"
         assert max_diff(alone, full) <= 1 and max_diff(full, moved) <= 1
     # Different jobs in one batch really are different images.

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from diffusion.models import LoadedModel
+from harness.farm import STEPS
 from renderfarm.jobs import JobError, JobSpec
-from tests.conftest import STEPS
 from worker.engine import Engine, ShapeKey
 from worker.executables import ExecutableStore
 

@@ -20,7 +20,7 @@ from renderfarm.layout import image_name
 from renderfarm.storage import Storage, open_storage
 from renderfarm_cli import main
 from tests.gcs_emulator import GcsEmulator
-from tests.test_gallery import COLOURS, HOSTILE, append_raw, store_results
+from tests.helpers import COLOURS, HOSTILE, append_raw, store_results
 
 
 @pytest.fixture()

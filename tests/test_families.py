@@ -16,8 +16,8 @@ import pytest
 from PIL import Image
 
 from renderfarm.progress import Progress
-from tests.farm import WorkerProcess, farm_app, wait_done
-from tests.redis_server import RedisServer
+from harness.farm import WorkerProcess, farm_app, wait_done
+from harness.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["a red fox", "a lighthouse at dusk", "a bowl of ramen"]
@@ -46,6 +46,7 @@ def images(folder: Path) -> dict[str, np.ndarray]:
     return {png.stem: np.asarray(Image.open(png)) for png in sorted(folder.glob("*.png")) if png.stem != "preview"}
 
 
+@pytest.mark.farm
 def test_a_plugin_family_renders_locally_and_on_a_worker(plugin_env: dict[str, str], tmp_path: Path) -> None:
     model = tmp_path / "toy"
     assert "tiny toy model written" in renderfarm(plugin_env, "tiny-model", str(model), "--kind", "toy")

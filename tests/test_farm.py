@@ -1,5 +1,6 @@
 """The distributed farm with real parts: redis-server, `renderfarm worker` processes with a
-tiny model on 8 CPU devices, the google-cloud-storage client against the emulator."""
+tiny model on 8 CPU devices (the session's farm, tests/conftest.py, and a worker of a test's
+own where it needs other flags), the google-cloud-storage client against the emulator."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import json
 import re
 import shutil
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,16 @@ import pytest
 from celery.result import AsyncResult
 from PIL import Image
 
+from harness.farm import (
+    STEPS,
+    WorkerProcess,
+    enqueue,
+    jobs,
+    manifest_ids,
+    manifest_records,
+    wait_done,
+    wait_for,
+)
 from producer.submit import submit
 from renderfarm.jobs import JobSpec
 from renderfarm.layout import (
@@ -29,54 +39,13 @@ from renderfarm.layout import (
     sidecar_name,
     thumbnail_name,
 )
-from renderfarm.progress import Progress
 from renderfarm.queue import TASK_NAME, priority_lists, queue_name
-from renderfarm.storage import Storage, open_storage
-from tests.conftest import STEPS
-from tests.farm import (
-    WorkerProcess,
-    enqueue,
-    farm_app,
-    jobs,
-    manifest_ids,
-    manifest_records,
-    wait_done,
-    wait_for,
-)
+from renderfarm.storage import Storage
 from tests.flower_process import poll, run_flower
 from tests.gcs_emulator import GcsEmulator
-from tests.redis_server import RedisServer
-from tests.test_reference import DATA, ORACLE
+from tests.helpers import DATA, FARM_OUT, ORACLE, Farm
 
-OUT = "gs://farm/out"
-REDIS_APPENDONLY = True  # Redis is restarted mid-campaign (tests/conftest.py)
-WORKER_ENV = {"RENDERFARM_VISIBILITY_TIMEOUT": "10", "RENDERFARM_RESTORE_INTERVAL": "1",
-              "RENDERFARM_MAX_ATTEMPTS": "2"}
-
-
-@pytest.fixture(scope="module")
-def farm(redis_server: RedisServer, gcs_server: GcsEmulator, tiny_sd: Path,
-         tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    gcs_server.create_bucket("farm")
-    env = {**WORKER_ENV, "STORAGE_EMULATOR_HOST": gcs_server.url}
-    logs = tmp_path_factory.mktemp("worker-logs")
-    app = farm_app(redis_server.url)
-    workers = [WorkerProcess(tiny_sd, OUT, redis_server.url, f"w{i}", logs, env) for i in range(2)]
-    for worker in workers:
-        worker.wait_ready(app)
-    yield {"app": app, "progress": Progress(redis_server.client()), "workers": workers, "env": env,
-           "logs": logs}
-    for worker in workers:
-        worker.stop()
-
-
-@pytest.fixture()
-def bucket(farm: dict, gcs: GcsEmulator) -> Storage:
-    return open_storage(OUT)
-
-
-
-
+pytestmark = pytest.mark.farm
 
 
 def assert_landed_once(storage: Storage, specs: list[JobSpec]) -> None:
@@ -91,17 +60,17 @@ def assert_landed_once(storage: Storage, specs: list[JobSpec]) -> None:
 
 
 @pytest.fixture(scope="module")
-def c72(farm: dict, tiny_sd: Path) -> tuple[list[JobSpec], dict]:
+def c72(farm: Farm, tiny_sd: Path) -> tuple[list[JobSpec], dict]:
     """A finished campaign of 72 jobs over both workers (more than the 64 one worker may hold
     unacknowledged, so both render some), for the tests that look at one or
     submit it again (whichever of them runs first renders it): its jobs and the status
     when it finished."""
     specs = [dataclasses.replace(spec, negative_prompt="blurry") if i % 3 == 0 else spec
              for i, spec in enumerate(jobs(tiny_sd, "c72", 72))]
-    return enqueue(farm["app"], farm["progress"], specs), wait_done(farm["progress"], "c72", 72)
+    return enqueue(farm.app, farm.progress, specs), wait_done(farm.progress, "c72", 72)
 
 
-def test_72_jobs_over_2_workers_match_local_render(farm: dict, bucket: Storage, c72: tuple[list[JobSpec], dict],
+def test_72_jobs_over_2_workers_match_local_render(farm: Farm, bucket: Storage, c72: tuple[list[JobSpec], dict],
                                                    sd_engine) -> None:  # noqa: ANN001
     specs, status = c72
     assert (status["done"], status["failed"], status["queued"], status["running"]) == (72, 0, 0, 0)
@@ -120,11 +89,11 @@ def test_72_jobs_over_2_workers_match_local_render(farm: dict, bucket: Storage, 
     assert min(shares) > 0 and status["device_seconds"] == pytest.approx(sum(shares), rel=1e-6)
 
 
-def test_flower_sees_workers_and_every_job(farm: dict, tiny_sd: Path, redis_server: RedisServer) -> None:
-    with run_flower(redis_server.url, auth="ops:s3cret") as flower:
-        flower.wait_for_workers([w.name for w in farm["workers"]])
-        specs = enqueue(farm["app"], farm["progress"], jobs(tiny_sd, "flowered", 16, seed=1000))
-        wait_done(farm["progress"], "flowered", 16)
+def test_flower_sees_workers_and_every_job(farm: Farm, tiny_sd: Path) -> None:
+    with run_flower(farm.broker, auth="ops:s3cret") as flower:
+        flower.wait_for_workers([w.name for w in farm.workers])
+        specs = enqueue(farm.app, farm.progress, jobs(tiny_sd, "flowered", 16, seed=1000))
+        wait_done(farm.progress, "flowered", 16)
 
         def all_succeeded() -> dict | None:
             tasks = flower.tasks(f"taskname={TASK_NAME}")
@@ -137,70 +106,70 @@ def test_flower_sees_workers_and_every_job(farm: dict, tiny_sd: Path, redis_serv
         assert flower.get("/api/tasks", credentials=False).status == 401
 
 
-def test_resubmitting_a_finished_campaign_renders_nothing(farm: dict, bucket: Storage, tiny_sd: Path,
+def test_resubmitting_a_finished_campaign_renders_nothing(farm: Farm, bucket: Storage, tiny_sd: Path,
                                                           c72: tuple[list[JobSpec], dict]) -> None:
     specs = c72[0]
     before = {s.job_id: bucket.get(f"c72/{s.job_id}.json") for s in specs}
-    enqueue(farm["app"], farm["progress"], specs)
-    redis = farm["progress"].r
+    enqueue(farm.app, farm.progress, specs)
+    redis = farm.progress.r
     wait_for(lambda: redis.llen(queue_name(str(tiny_sd), "float32")) == 0
-             and farm["progress"].status("c72")["running"] == 0, 60, "the queue to drain")
+             and farm.progress.status("c72")["running"] == 0, 60, "the queue to drain")
     wait_for(lambda: all(int(redis.hget("rf:c:c72:attempts", s.job_id)) >= 2 for s in specs), 60, "redelivery")
     assert {s.job_id: bucket.get(f"c72/{s.job_id}.json") for s in specs} == before  # not rendered again
-    assert farm["progress"].status("c72")["device_seconds"] == pytest.approx(c72[1]["device_seconds"])  # nor counted
+    assert farm.progress.status("c72")["device_seconds"] == pytest.approx(c72[1]["device_seconds"])  # nor counted
     assert len(manifest_ids(bucket, "c72")) == 72
 
 
-def test_cancelled_campaign_is_skipped_not_rendered(farm: dict, bucket: Storage, tiny_sd: Path) -> None:
-    farm["progress"].cancel("cancelled")
-    enqueue(farm["app"], farm["progress"], jobs(tiny_sd, "cancelled", 12, seed=1200))
-    wait_for(lambda: farm["progress"].status("cancelled")["cancelled"] == 12, 60, "12 cancelled jobs")
-    status = farm["progress"].status("cancelled")
+def test_cancelled_campaign_is_skipped_not_rendered(farm: Farm, bucket: Storage, tiny_sd: Path) -> None:
+    farm.progress.cancel("cancelled")
+    enqueue(farm.app, farm.progress, jobs(tiny_sd, "cancelled", 12, seed=1200))
+    wait_for(lambda: farm.progress.status("cancelled")["cancelled"] == 12, 60, "12 cancelled jobs")
+    status = farm.progress.status("cancelled")
     assert (status["done"], status["queued"], status["running"]) == (0, 0, 0)
     assert list(bucket.list("cancelled/")) == []
 
 
-def test_poison_job_in_a_batch(farm: dict, bucket: Storage, tiny_sd: Path) -> None:
-    good = enqueue(farm["app"], farm["progress"], jobs(tiny_sd, "poison", 7))
+def test_poison_job_in_a_batch(farm: Farm, bucket: Storage, tiny_sd: Path) -> None:
+    good = enqueue(farm.app, farm.progress, jobs(tiny_sd, "poison", 7))
     poison = {**jobs(tiny_sd, "poison", 8, seed=100)[7].to_dict(), "steps": 0}
-    farm["app"].send_task(TASK_NAME, task_id="poison-job", kwargs=poison,
+    farm.app.send_task(TASK_NAME, task_id="poison-job", kwargs=poison,
                           queue=queue_name(str(tiny_sd), "float32"))
-    wait_done(farm["progress"], "poison", 7)
+    wait_done(farm.progress, "poison", 7)
     assert_landed_once(bucket, good)
-    result = AsyncResult("poison-job", app=farm["app"])
+    result = AsyncResult("poison-job", app=farm.app)
     wait_for(lambda: result.state == "FAILURE", 30, "the poison job to fail")
     assert "steps=0: must be in 1..500" in str(result.result)
 
 
-def test_storage_outage_is_retried(farm: dict, bucket: Storage, tiny_sd: Path, gcs: GcsEmulator) -> None:
+def test_storage_outage_is_retried(farm: Farm, bucket: Storage, tiny_sd: Path, gcs: GcsEmulator) -> None:
     gcs.stop()
     try:
-        specs = enqueue(farm["app"], farm["progress"], jobs(tiny_sd, "outage", 8, seed=900))
+        specs = enqueue(farm.app, farm.progress, jobs(tiny_sd, "outage", 8, seed=900))
         wait_for(lambda: any(re.search(r"storage: \S+ gs://\S+/outage/\S* transient error", w.log.read_text())
-                             for w in farm["workers"]), 120, "a worker to retry a store of the campaign")
-        assert farm["progress"].status("outage")["done"] == 0
+                             for w in farm.workers), 120, "a worker to retry a store of the campaign")
+        assert farm.progress.status("outage")["done"] == 0
     finally:
         gcs.start()
-    status = wait_done(farm["progress"], "outage", 8)
+    status = wait_done(farm.progress, "outage", 8)
     assert (status["done"], status["failed"]) == (8, 0)
     assert_landed_once(bucket, specs)
 
 
-def test_interleaved_shapes_run_in_full_batches(farm: dict, bucket: Storage, tiny_sd: Path,
-                                                redis_server: RedisServer, tmp_path: Path) -> None:
+def test_interleaved_shapes_run_in_full_batches(farm: Farm, bucket: Storage, tiny_sd: Path,
+                                                tmp_path: Path) -> None:
     """Two shapes alternating on the queue: the worker groups them by shape key, so each
     batch runs full instead of half padding (bench/shapes.py measures the fill)."""
     model = tmp_path / "tiny-sd-shapes"  # its own queue, served by this worker alone
     shutil.copytree(tiny_sd, model)
     specs = [dataclasses.replace(spec, width=(64, 80)[i % 2])
              for i, spec in enumerate(jobs(model, "shapes", 32, seed=900))]
-    enqueue(farm["app"], farm["progress"], specs)
+    enqueue(farm.app, farm.progress, specs)
     # A long --max-wait: on a CPU the devices' threads starve the consumer while a batch
     # renders, so here only a full batch (or the end of the queue) may flush one.
-    worker = WorkerProcess(model, OUT, redis_server.url, "shapes", farm["logs"], farm["env"],
+    worker = WorkerProcess(model, FARM_OUT, farm.broker, "shapes", farm.logs, farm.env,
                            precompile=f"64x64@{STEPS},80x64@{STEPS}", extra=("--max-wait", "10"))
     try:
-        status = wait_done(farm["progress"], "shapes", 32)
+        status = wait_done(farm.progress, "shapes", 32)
     finally:
         worker.stop()
     assert (status["done"], status["failed"]) == (32, 0)
@@ -211,45 +180,33 @@ def test_interleaved_shapes_run_in_full_batches(farm: dict, bucket: Storage, tin
     assert len(batches) == 4 and all(len(shapes) == 1 and next(iter(shapes))[1] == 8 for shapes in batches.values())
 
 
-def test_redis_restarted_three_times_mid_campaign(farm: dict, bucket: Storage, tiny_sd: Path,
-                                                   redis_server: RedisServer) -> None:
+def test_redis_restarted_three_times_mid_campaign(farm: Farm, bucket: Storage, tiny_sd: Path) -> None:
     """Redis stopped (SIGKILL) and started again three times while 48 jobs render: every
     job lands, with one manifest line each, wherever the restarts strike."""
-    specs = enqueue(farm["app"], farm["progress"], jobs(tiny_sd, "restart", 48, seed=700))
+    specs = enqueue(farm.app, farm.progress, jobs(tiny_sd, "restart", 48, seed=700))
     for done in (4, 16, 28):
-        wait_for(lambda d=done: farm["progress"].status("restart")["done"] >= d, 180, f"{done} jobs")
-        redis_server.stop()
+        wait_for(lambda d=done: farm.progress.status("restart")["done"] >= d, 180, f"{done} jobs")
+        farm.redis.stop()
         time.sleep(1)
-        redis_server.start()
-    status = wait_done(farm["progress"], "restart", 48, timeout=300)
+        farm.redis.start()
+    status = wait_done(farm.progress, "restart", 48, timeout=300)
     assert (status["done"], status["failed"]) == (48, 0)
     assert_landed_once(bucket, specs)
-    assert all(w.proc.poll() is None for w in farm["workers"])
+    assert all(w.proc.poll() is None for w in farm.workers)
 
 
-def test_submitting_a_finished_campaign_again_enqueues_nothing(farm: dict, tiny_sd: Path, tmp_path: Path,
-                                                                redis_server: RedisServer,
-                                                                c72: tuple[list[JobSpec], dict]) -> None:
-    from producer import submit
-
-    lines = tmp_path / "c72.jsonl"
-    lines.write_text("".join(json.dumps(s.to_dict()) + "\n" for s in c72[0]))
-    again = submit(prompts_file=lines, model=str(tiny_sd), campaign="c72", broker=redis_server.url)
-    assert (again.enqueued, again.already_done) == (0, 72)
-
-
-def test_a_lone_job_on_an_idle_worker_does_not_wait_max_wait(farm: dict, bucket: Storage, tiny_sd: Path,
-                                                             redis_server: RedisServer, tmp_path: Path) -> None:
+def test_a_lone_job_on_an_idle_worker_does_not_wait_max_wait(farm: Farm, bucket: Storage, tiny_sd: Path,
+                                                             tmp_path: Path) -> None:
     """Idle devices take a partial batch once the queue is quiet; --max-wait only bounds
     how long jobs gather while the devices are busy."""
     model = tmp_path / "tiny-sd-lone"  # its own queue, served by this worker alone
     shutil.copytree(tiny_sd, model)
-    worker = WorkerProcess(model, OUT, redis_server.url, "lone", farm["logs"], farm["env"],
+    worker = WorkerProcess(model, FARM_OUT, farm.broker, "lone", farm.logs, farm.env,
                            extra=("--max-wait", "600"))
     try:
-        worker.wait_ready(farm["app"])
-        (spec,) = enqueue(farm["app"], farm["progress"], jobs(model, "lone", 1, seed=1100))
-        status = wait_done(farm["progress"], "lone", 1, timeout=120)  # far less than --max-wait
+        worker.wait_ready(farm.app)
+        (spec,) = enqueue(farm.app, farm.progress, jobs(model, "lone", 1, seed=1100))
+        status = wait_done(farm.progress, "lone", 1, timeout=120)  # far less than --max-wait
     finally:
         worker.stop()
     assert (status["done"], status["failed"]) == (1, 0)
@@ -257,24 +214,23 @@ def test_a_lone_job_on_an_idle_worker_does_not_wait_max_wait(farm: dict, bucket:
     assert json.loads(bucket.get(sidecar_name("lone", spec.job_id)))["batch"]["jobs"] == 1
 
 
-def test_a_worker_serves_one_lora_set_and_no_other(farm: dict, bucket: Storage, redis_server: RedisServer,
-                                                   cli: Any) -> None:
+def test_a_worker_serves_one_lora_set_and_no_other(farm: Farm, bucket: Storage, cli: Any) -> None:
     """A model reference is base + LoRAs + scales: a worker started with a LoRA consumes that
     set's queue alone, so jobs for the plain model wait for a worker of their own (status warns
     of it), and the LoRA jobs' sidecars name the LoRA file, its scale and its sha256."""
     model, lora = ORACLE / "sd1" / "model", DATA / "lora" / "sd1" / "kohya.safetensors"
-    worker = WorkerProcess(model, OUT, redis_server.url, "lora", farm["logs"], farm["env"],
+    worker = WorkerProcess(model, FARM_OUT, farm.broker, "lora", farm.logs, farm.env,
                            extra=("--lora", f"{lora}:0.7"))
     plain_queue = queue_name(str(model), "float32")
     try:
-        worker.wait_ready(farm["app"])
-        styled = enqueue(farm["app"], farm["progress"], jobs(model, "lora-set", 4, seed=1200, loras=((str(lora), 0.7),)))
+        worker.wait_ready(farm.app)
+        styled = enqueue(farm.app, farm.progress, jobs(model, "lora-set", 4, seed=1200, loras=((str(lora), 0.7),)))
         submit(["a plain lighthouse", "a plain fox"], model=str(model), campaign="plain-set", seed=0, steps=STEPS,
-               broker=redis_server.url, progress=False)  # as a producer does: status knows its queue
-        status = wait_done(farm["progress"], "lora-set", 4)
+               broker=farm.broker, progress=False)  # as a producer does: status knows its queue
+        status = wait_done(farm.progress, "lora-set", 4)
         time.sleep(2)  # the window in which a worker of another set must NOT take the plain jobs
-        assert farm["progress"].status("plain-set")["done"] == 0
-        code, out, _ = cli("status", "plain-set", "--json", "--broker", redis_server.url)
+        assert farm.progress.status("plain-set")["done"] == 0
+        code, out, _ = cli("status", "plain-set", "--json", "--broker", farm.broker)
         assert code == 0
         report = json.loads(out)
         assert f"queue {plain_queue} has 2 jobs and no worker consumes it" in report["warnings"]
@@ -284,7 +240,7 @@ def test_a_worker_serves_one_lora_set_and_no_other(farm: dict, bucket: Storage, 
         assert 0 < mine["batch_fill"] <= 1 and not mine["stalled"]
     finally:
         worker.stop()
-        redis_server.client().delete(*priority_lists(plain_queue))
+        farm.redis.client().delete(*priority_lists(plain_queue))
     assert (status["done"], status["failed"]) == (4, 0)
     digest = hashlib.sha256(lora.read_bytes()).hexdigest()
     for spec in styled:

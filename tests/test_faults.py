@@ -26,6 +26,16 @@ import redis
 from celery import Celery
 from celery.result import AsyncResult
 
+from harness.farm import (
+    WorkerProcess,
+    enqueue,
+    farm_app,
+    jobs,
+    manifest_ids,
+    wait_done,
+    wait_for,
+)
+from harness.redis_server import RedisServer
 from renderfarm import deadletters
 from renderfarm.jobs import JobSpec
 from renderfarm.layout import image_name, sidecar_name
@@ -39,18 +49,8 @@ from renderfarm.queue import (
     redis_priority,
 )
 from renderfarm.storage import Storage, open_storage
-from tests.farm import (
-    WorkerProcess,
-    enqueue,
-    farm_app,
-    jobs,
-    manifest_ids,
-    wait_done,
-    wait_for,
-)
 from tests.fault_proxies import GcsProxy, Rule, TcpProxy
 from tests.gcs_emulator import GcsEmulator
-from tests.redis_server import RedisServer
 
 REDIS_APPENDONLY = True  # tests/conftest.py
 BUCKET = "faults"
@@ -67,7 +67,7 @@ def proxy(gcs_server: GcsEmulator) -> Iterator[GcsProxy]:
 
 
 @pytest.fixture()
-def farm(redis_server: RedisServer, proxy: GcsProxy, gcs: GcsEmulator, tiny_sd: Path,
+def start_worker(redis_server: RedisServer, proxy: GcsProxy, gcs: GcsEmulator, tiny_sd: Path,
          tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
     """Start workers for a copy of the tiny model (its own queue, so each test sees only its
     own jobs) that store through the proxy; all are stopped after the test."""
@@ -234,8 +234,9 @@ def hostile(template: dict[str, Any], mutation: Callable[[dict], None] | bytes, 
     return json.dumps(message).encode()
 
 
+@pytest.mark.farm
 def test_hostile_messages_are_dead_lettered_with_reasons_and_every_good_job_lands(
-        farm: Callable[..., WorkerProcess], tiny_sd: Path, tmp_path: Path, redis_server: RedisServer) -> None:
+        start_worker: Callable[..., WorkerProcess], tiny_sd: Path, tmp_path: Path, redis_server: RedisServer) -> None:
     model = model_copy(tiny_sd, tmp_path, "hostile")
     r, app, progress = redis_server.client(), farm_app(redis_server.url), Progress(redis_server.client())
     queue = queue_name(str(model), "float32")
@@ -250,7 +251,7 @@ def test_hostile_messages_are_dead_lettered_with_reasons_and_every_good_job_land
             enqueue(app, progress, [good.pop()])
     enqueue(app, progress, good)
     good = jobs(model, "hostile", 16)
-    worker = farm(model, "hostile")
+    worker = start_worker(model, "hostile")
     pid = worker.proc.pid
     letters = deadletters.DeadLetters(r)
     wait_for(lambda: letters.counts().get(queue, {}).get("total", 0) >= len(kinds), 120, "every hostile message")
@@ -309,9 +310,10 @@ def test_dead_letters_can_be_listed_requeued_and_purged(redis_server: RedisServe
 # --------------------------------------------------------------------------- exactly once
 
 
+@pytest.mark.farm
 @pytest.mark.parametrize("point", ["after-manifest", "before-manifest"])
 def test_killed_between_store_and_ack_every_job_lands_once(
-        point: str, farm: Callable[..., WorkerProcess], proxy: GcsProxy, tiny_sd: Path, tmp_path: Path,
+        point: str, start_worker: Callable[..., WorkerProcess], proxy: GcsProxy, tiny_sd: Path, tmp_path: Path,
         redis_server: RedisServer) -> None:
     """The worker is stopped at the chosen point of its first batch: its PNGs and sidecars
     stored and either its manifest part written ("after-manifest": Redis is paused as the
@@ -329,7 +331,7 @@ def test_killed_between_store_and_ack_every_job_lands_once(
         reached.hold = True
     proxy.add(reached)
     try:
-        victim = farm(model, "victim", broker=redis_proxy.url())
+        victim = start_worker(model, "victim", broker=redis_proxy.url())
         specs = enqueue(farm_app(redis_server.url), progress, jobs(model, campaign, 16))
         assert reached.held.wait(120), "the worker never reached its first manifest write"
         part = reached.hits[0].name.removeprefix(f"out/{campaign}/")
@@ -344,7 +346,7 @@ def test_killed_between_store_and_ack_every_job_lands_once(
         redis_proxy.drop_all()
         redis_proxy.resume()
         proxy.remove(reached)
-        farm(model, "rescuer")
+        start_worker(model, "rescuer")
         status = wait_done(progress, campaign, 16)
     finally:
         redis_proxy.close()
@@ -353,8 +355,9 @@ def test_killed_between_store_and_ack_every_job_lands_once(
     assert attempts(r, first) == [2] * 8  # they did come back: the fault struck between store and ack
 
 
+@pytest.mark.farm
 def test_store_failures_are_requeued_never_leaked_and_jobs_are_told_apart_by_campaign(
-        farm: Callable[..., WorkerProcess], proxy: GcsProxy, tiny_sd: Path, tmp_path: Path,
+        start_worker: Callable[..., WorkerProcess], proxy: GcsProxy, tiny_sd: Path, tmp_path: Path,
         redis_server: RedisServer) -> None:
     model = model_copy(tiny_sd, tmp_path, "leak")
     r, app, progress = redis_server.client(), farm_app(redis_server.url), Progress(redis_server.client())
@@ -367,7 +370,7 @@ def test_store_failures_are_requeued_never_leaked_and_jobs_are_told_apart_by_cam
     failing_manifest = proxy.add(Rule(r"^out/leak/manifest/", status=403, times=2))
     enqueue(app, progress, twins + fillers)
     leak = enqueue(app, progress, jobs(model, "leak", 16, seed=300))
-    farm(model, "leaky")
+    start_worker(model, "leaky")
     for campaign, n in (("twin-a", 1), ("twin-b", 7), ("leak", 16)):
         status = wait_done(progress, campaign, n)
         assert (status["done"], status["failed"]) == (n, 0), campaign
@@ -382,9 +385,10 @@ def test_store_failures_are_requeued_never_leaked_and_jobs_are_told_apart_by_cam
 # --------------------------------------------------------------------------- drain
 
 
+@pytest.mark.farm
 @pytest.mark.parametrize("release_after", [None, 1.0])
 def test_sigterm_under_load_stores_what_it_can_and_requeues_the_rest_at_once(
-        release_after: float | None, farm: Callable[..., WorkerProcess], proxy: GcsProxy, tiny_sd: Path,
+        release_after: float | None, start_worker: Callable[..., WorkerProcess], proxy: GcsProxy, tiny_sd: Path,
         tmp_path: Path, redis_server: RedisServer) -> None:
     """A worker with batches rendered and one being stored (its uploads held) is told to
     stop. Within --drain-seconds it stores what it can (everything, if the uploads are let
@@ -394,7 +398,8 @@ def test_sigterm_under_load_stores_what_it_can_and_requeues_the_rest_at_once(
     r, progress = redis_server.client(), Progress(redis_server.client())
     campaign = f"drain-{'release' if release_after else 'hold'}"
     held = proxy.add(Rule(rf"^out/{campaign}/", hold=True))
-    worker = farm(model, "drained", env={"RENDERFARM_VISIBILITY_TIMEOUT": "3600"}, extra=("--drain-seconds", "4"))
+    worker = start_worker(model, "drained", env={"RENDERFARM_VISIBILITY_TIMEOUT": "3600"},
+                          extra=("--drain-seconds", "4"))
     specs = enqueue(farm_app(redis_server.url), progress, jobs(model, campaign, 40))
     assert held.held.wait(120)
     wait_for(lambda: progress.status(campaign)["running"] >= 16, 60, "two batches taken")
@@ -415,7 +420,7 @@ def test_sigterm_under_load_stores_what_it_can_and_requeues_the_rest_at_once(
         assert done == 0
     proxy.remove(held)
     stored_by_drained = [s for s in specs if bucket().exists(sidecar_name(campaign, s.job_id))]
-    farm(model, "rescuer")
+    start_worker(model, "rescuer")
     status = wait_done(progress, campaign, 40)
     assert (status["done"], status["failed"]) == (40, 0)
     assert_exactly_once(specs)
@@ -428,11 +433,12 @@ def test_sigterm_under_load_stores_what_it_can_and_requeues_the_rest_at_once(
 # --------------------------------------------------------------------------- compiling
 
 
+@pytest.mark.farm
 def test_a_new_shape_compiles_without_the_held_messages_being_redelivered(
-        farm: Callable[..., WorkerProcess], tiny_sd: Path, tmp_path: Path, redis_server: RedisServer) -> None:
+        start_worker: Callable[..., WorkerProcess], tiny_sd: Path, tmp_path: Path, redis_server: RedisServer) -> None:
     model = model_copy(tiny_sd, tmp_path, "compile")
     r, progress = redis_server.client(), Progress(redis_server.client())
-    worker = farm(model, "compiler", env={"RENDERFARM_VISIBILITY_TIMEOUT": "1"})
+    worker = start_worker(model, "compiler", env={"RENDERFARM_VISIBILITY_TIMEOUT": "1"})
     shape = {"width": 128, "height": 64, "steps": 5}  # compiled by no other test
     specs = enqueue(farm_app(redis_server.url), progress, jobs(model, "compile", 16, **shape))
     status = wait_done(progress, "compile", 16)
@@ -446,7 +452,8 @@ def test_a_new_shape_compiles_without_the_held_messages_being_redelivered(
 # --------------------------------------------------------------------------- killed mid-batch
 
 
-def test_workers_killed_mid_batch_lose_nothing(farm: Callable[..., WorkerProcess], proxy: GcsProxy,
+@pytest.mark.farm
+def test_workers_killed_mid_batch_lose_nothing(start_worker: Callable[..., WorkerProcess], proxy: GcsProxy,
                                                 tiny_sd: Path, tmp_path: Path, redis_server: RedisServer) -> None:
     """Two workers killed while their first batch is being stored (its uploads held), the
     second one on jobs restored from the first; a third finishes, each job once."""
@@ -455,7 +462,7 @@ def test_workers_killed_mid_batch_lose_nothing(farm: Callable[..., WorkerProcess
     specs = enqueue(farm_app(redis_server.url), progress, jobs(model, "killed", 24, seed=300))
     for victim in ("victim", "victim2"):
         held = proxy.add(Rule(r"^out/killed/", hold=True))
-        worker = farm(model, victim, ready=False)  # soon too busy storing (held) to answer pings
+        worker = start_worker(model, victim, ready=False)  # soon too busy storing (held) to answer pings
         assert held.held.wait(120)  # its first batch is being stored
         if victim == "victim2":  # ... and it is made of jobs restored from the first victim
             wait_for(lambda: max(attempts(r, specs)) >= 2, 60, "restored jobs taken")
@@ -463,7 +470,7 @@ def test_workers_killed_mid_batch_lose_nothing(farm: Callable[..., WorkerProcess
         held.status = 503  # the dead worker's held uploads are never forwarded
         proxy.remove(held)
         assert progress.status("killed")["done"] == 0
-    farm(model, "rescuer")
+    start_worker(model, "rescuer")
     status = wait_done(progress, "killed", 24)
     assert (status["done"], status["failed"]) == (24, 0)
     assert_exactly_once(specs)

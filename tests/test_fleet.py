@@ -10,7 +10,7 @@ import redis
 
 from producer.submit import submit
 from renderfarm.fleet import STALL_SECONDS, fleet, record_batch
-from tests.conftest import Cli
+from tests.helpers import Cli
 
 
 def records(n: int, seq: int, slots: int, width: int = 512, height: int = 512, steps: int = 25) -> list[dict]:

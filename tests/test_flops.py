@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from diffusion.flops import PEAK_ENV, describe_rate, peak_flops, program_flops, unet_flops
-from tests.conftest import STEPS
+from harness.farm import STEPS
 from worker.engine import ShapeKey
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from harness.redis_server import RedisServer
 from producer.flower import (
     ENV_AUTH,
     FlowerConfigError,
@@ -47,7 +48,6 @@ from tests.flower_process import (
     run_flower,
     stop_process,
 )
-from tests.redis_server import RedisServer
 
 AUTH = "ops:s3cret-pw, viewer:pass:with:colons"  # two users; a password may contain ':'
 N_JOBS = 10

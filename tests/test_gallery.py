@@ -15,43 +15,11 @@ import pytest
 from PIL import Image
 
 from renderfarm import gallery
-from renderfarm.jobs import parse_job
 from renderfarm.layout import index_name, manifest_name, thumbnail_name
 from renderfarm.storage import Storage, open_storage
 from renderfarm_cli import main
-from tests.conftest import STEPS
 from tests.gcs_emulator import GcsEmulator
-
-COLOURS = [(230, 30, 30), (30, 200, 40), (40, 60, 230), (240, 220, 20), (200, 40, 220)]
-HOSTILE = ['<script>alert("x")</script> a cat', '"><img src=x onerror=alert(1)> a dog']
-
-
-def store_results(storage: Storage, model: Any, campaign: str, colours: list[tuple[int, int, int]],
-                  prompts: list[str] | None = None, size: tuple[int, int] = (64, 64)) -> list[dict[str, Any]]:
-    """Solid-colour results stored the way the worker stores them (worker/output.py's BatchWriter:
-    PNG, sidecar, manifest lines), plus the thumbnail the worker stores with each image."""
-    import jax
-
-    from worker.engine import Batch, Rendered, ShapeKey
-    from worker.output import BatchWriter
-
-    width, height = size
-    prompts = prompts or [f"a {c} square" for c in ("red", "green", "blue", "yellow", "magenta")][:len(colours)]
-    key = ShapeKey(width, height, STEPS, "pndm")
-    batch = [Rendered(i, parse_job({"prompt": p, "model": model.ref, "seed": 100 + i, "steps": STEPS,
-                                    "width": width, "height": height, "campaign": campaign}),
-                      np.full((height, width, 3), c, np.uint8), key, False, Batch(0, len(colours), 8, 0.1))
-             for i, (p, c) in enumerate(zip(prompts, colours, strict=True))]
-    stored: list[dict[str, Any]] = []
-    with BatchWriter(storage, model, jax.devices(), on_stored=stored.extend) as writer:
-        writer.submit(batch)
-    return stored
-
-
-def append_raw(storage: Storage, campaign: str, lines: list[str]) -> None:
-    """Lines appended to a local manifest behind its back (the worker never writes a job twice)."""
-    with storage.path(manifest_name(campaign)).open("a") as file:
-        file.writelines(line + "\n" for line in lines)
+from tests.helpers import COLOURS, HOSTILE, append_raw, store_results
 
 
 def chromium(*args: str) -> subprocess.CompletedProcess:
@@ -108,6 +76,7 @@ def test_limit_lists_the_newest_and_states_the_total(sd_model: Any, local: Stora
     assert sheet.size == (gallery.THUMB_SIZE + 2 * gallery.TILE_GAP,) * 2
 
 
+@pytest.mark.browser
 def test_hostile_prompts_are_escaped(sd_model: Any, local: Storage, tmp_path: Path) -> None:
     store_results(local, sd_model, "c3", COLOURS[:2], prompts=HOSTILE)
     gallery.refresh(local, "c3")
@@ -119,6 +88,7 @@ def test_hostile_prompts_are_escaped(sd_model: Any, local: Storage, tmp_path: Pa
     assert "&lt;script&gt;alert(\"x\")&lt;/script&gt; a cat" in dom and "a dog" in dom
 
 
+@pytest.mark.browser
 def test_chromium_screenshot_shows_every_image(sd_model: Any, local: Storage, tmp_path: Path) -> None:
     records = store_results(local, sd_model, "c4", COLOURS)
     gallery.refresh(local, "c4")

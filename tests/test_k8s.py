@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from renderfarm.queue import priority_lists, queue_name
-from tests.test_deploy import check_renderfarm_args
+from tests.helpers import check_renderfarm_args
 
 K8S = Path(__file__).resolve().parent.parent / "infra" / "k8s"
 

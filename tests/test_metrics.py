@@ -1,14 +1,12 @@
-"""Prometheus metrics from a real worker (`--metrics-port`), read over HTTP: images and
-device-seconds per campaign, batches and their fill, render and store seconds, queue waits
-from the producer's enqueue time, compiles, and a hostile message counted as invalid."""
+"""Prometheus metrics from real workers (`--metrics-port`: the session's farm), read over HTTP:
+images and device-seconds per campaign, batches and their fill, render and store seconds, queue
+waits from the producer's enqueue time, compiles, and a hostile message counted as invalid."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import re
-import shutil
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -16,49 +14,45 @@ import redis
 from prometheus_client import generate_latest
 
 from diffusion.flops import PEAK_ENV
+from harness.farm import STEPS, WorkerProcess, jobs, wait_done, wait_for
+from harness.redis_server import RedisServer
 from producer.submit import submit
-from renderfarm.progress import Progress
 from renderfarm.queue import TASK_NAME, job_message, priority_list, queue_name
-from tests.conftest import STEPS
-from tests.farm import WorkerProcess, farm_app, jobs, wait_done, wait_for
-from tests.redis_server import RedisServer, free_port
+from tests.helpers import Farm, scrape
 from worker.metrics import WorkerMetrics
 
 
-def scrape(port: int) -> dict[str, float]:
-    """/metrics as {sample with labels: value}."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            samples[name] = float(value)
-    return samples
+def summed(scrapes: list[dict[str, float]]) -> dict[str, float]:
+    """Several workers' /metrics, sample by sample."""
+    total: dict[str, float] = {}
+    for samples in scrapes:
+        for name, value in samples.items():
+            total[name] = total.get(name, 0.0) + value
+    return total
 
 
-def test_a_worker_reports_what_it_did(redis_server: RedisServer, tiny_sd: Path, tmp_path: Path) -> None:
-    model = tmp_path / "tiny-sd-metrics"  # a queue of its own
-    shutil.copytree(tiny_sd, model)
-    out, port = tmp_path / "out", free_port()
-    r, app = redis_server.client(), farm_app(redis_server.url)
+@pytest.mark.farm
+def test_workers_report_what_they_did(farm: Farm, tiny_sd: Path) -> None:
+    """What the farm's workers did for this test's campaign: how their counters grew while it
+    ran (the farm serves other tests' campaigns too)."""
+    # the first worker started with a cold compile cache: --precompile compiled once
+    assert farm.started[0]["renderfarm_compiles_total"] == 1
+    before = [scrape(port) for port in farm.metrics_ports]
     # one job that breaks the job contract (steps 0): counted as invalid
-    bad = dataclasses.replace(jobs(model, "metrics", 1, seed=99)[0], steps=0)
-    app.send_task(TASK_NAME, **job_message(bad))
-    worker = WorkerProcess(model, str(out), redis_server.url, "metrics", tmp_path,
-                           extra=("--metrics-port", str(port), "--compile-cache", str(tmp_path / "cold")))
-    try:
-        worker.wait_ready(app)
-        assert scrape(port)["renderfarm_compiles_total"] == 1  # --precompile, with a cold cache
-        submit([f"a lighthouse {i}" for i in range(10)], model=str(model), campaign="metrics", seed=0, steps=STEPS,
-               width=64, height=64, broker=redis_server.url, progress=False)
-        status = wait_done(Progress(r), "metrics", 10)
-        wait_for(lambda: scrape(port).get('renderfarm_images_failed_total{reason="invalid"}', 0) >= 1, 30,
-                 "the invalid message counted")
-        samples = scrape(port)
-    finally:
-        worker.stop()
+    bad = dataclasses.replace(jobs(tiny_sd, "metrics", 1, seed=99)[0], steps=0)
+    farm.app.send_task(TASK_NAME, **job_message(bad))
+    submit([f"a lighthouse {i}" for i in range(10)], model=str(tiny_sd), campaign="metrics", seed=0, steps=STEPS,
+           width=64, height=64, broker=farm.broker, progress=False)
+    status = wait_done(farm.progress, "metrics", 10)
+    invalid = 'renderfarm_images_failed_total{reason="invalid"}'
+    counted = summed(before).get(invalid, 0) + 1
+    wait_for(lambda: summed([scrape(port) for port in farm.metrics_ports]).get(invalid, 0) >= counted, 30,
+             "the invalid message counted")
+    after = [scrape(port) for port in farm.metrics_ports]
+    samples = {name: value - summed(before).get(name, 0.0) for name, value in summed(after).items()}
     assert (status["done"], status["failed"]) == (10, 0)
-    assert samples['renderfarm_images_rendered_total{campaign="metrics"}'] == 10
+    rendered = 'renderfarm_images_rendered_total{campaign="metrics"}'
+    assert samples[rendered] == 10
     batches = samples["renderfarm_batches_total"]
     assert batches >= 2  # 10 jobs in batches of 8
     assert samples["renderfarm_batch_fill_count"] == batches
@@ -68,12 +62,16 @@ def test_a_worker_reports_what_it_did(redis_server: RedisServer, tiny_sd: Path, 
     assert samples["renderfarm_queue_wait_seconds_count"] == 10  # the producer's enqueue time, per job
     assert 0 < samples["renderfarm_queue_wait_seconds_sum"] < 10 * 600
     assert samples['renderfarm_device_seconds_total{campaign="metrics"}'] > 0
-    assert samples['renderfarm_images_failed_total{reason="invalid"}'] == 1
-    assert samples["renderfarm_flops_per_second"] > 0
-    assert samples[f'renderfarm_queue_depth{{queue="{queue_name(str(model), "float32")}"}}'] == 0  # all taken
-    assert "renderfarm_peak_fraction" in samples and samples["renderfarm_peak_fraction"] == 0  # CPU: no peak
+    assert samples[invalid] == 1
+    queue = f'renderfarm_queue_depth{{queue="{queue_name(str(tiny_sd), "float32")}"}}'
+    for gauges in after:  # each worker's own
+        assert gauges[queue] == 0  # all taken
+        assert "renderfarm_peak_fraction" in gauges and gauges["renderfarm_peak_fraction"] == 0  # CPU: no peak
+        if gauges.get(rendered):
+            assert gauges["renderfarm_flops_per_second"] > 0
 
 
+@pytest.mark.farm
 def test_a_taken_port_is_refused_clearly(redis_server: RedisServer, tiny_sd: Path, tmp_path: Path) -> None:
     import socket
 

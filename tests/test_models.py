@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diffusion.models import LoadedModel, _bucket_opener, contained, load_model, resolve_file, set_bucket_opener
+from diffusion import models
+from diffusion.models import LoadedModel, contained, load_model, resolve_file, set_bucket_opener
 from diffusion.schedulers import make
 from renderfarm.jobs import JobError
 from renderfarm.storage import open_storage
@@ -39,12 +40,12 @@ def buckets() -> Iterator[None]:
     """gs:// references read through the farm's storage layer, as `renderfarm worker` and `render` set it."""
     set_bucket_opener(open_storage)
     yield
-    _bucket_opener.clear()
+    models._bucket_opener.clear()
 
 
-def test_a_bucket_reference_without_a_bucket_reader_is_refused_by_name() -> None:
+def test_a_bucket_reference_without_a_bucket_reader_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     """The model layer imports no storage client: a program that set no reader is told so."""
-    assert not _bucket_opener
+    monkeypatch.setattr(models, "_bucket_opener", [])  # as in a process that never set one
     with pytest.raises(JobError, match=r"model='gs://models/x': .*no bucket reader.*set_bucket_opener"):
         load_model("gs://models/x")
     with pytest.raises(JobError, match=r"loras='gs://weights/l.safetensors': .*no bucket reader"):

@@ -11,9 +11,9 @@ import jax
 import numpy as np
 import pytest
 
+from harness.farm import STEPS
 from renderfarm.jobs import JobError, parse_job
 from renderfarm.storage import open_storage
-from tests.conftest import STEPS
 from worker.engine import Batch, Rendered, ShapeKey
 from worker.output import BatchWriter
 

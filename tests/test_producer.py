@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from kombu.message import Message
 
+from harness.redis_server import RedisServer
 from producer import WaitTimeout, campaign_status, submit, wait_for
 from producer.submit import enqueue_jobs
 from renderfarm.jobs import JobError, JobSpec, parse_job
@@ -31,8 +32,7 @@ from renderfarm.queue import (
 )
 from renderfarm.settings import Settings
 from tests.celery_echo_app import ECHO_KEY
-from tests.conftest import Cli
-from tests.redis_server import RedisServer
+from tests.helpers import Cli
 from worker.envelope import open_envelope
 
 REPO = Path(__file__).resolve().parents[1]
@@ -212,6 +212,9 @@ def test_resubmitting_skips_jobs_already_done(cli: Cli, broker: str, progress: P
     assert ids == [s.job_id for s in specs] + [specs[i].job_id for i in (1, 2, 4)]
     status = progress.status("again")
     assert (first.enqueued, status["submitted"], status["done"], status["failed"]) == (5, 5, 2, 0)
+    progress.finished([("again", specs[i].job_id) for i in (1, 2, 4)])  # the campaign finished: none is sent
+    again = submit([f"prompt {i}" for i in range(5)], model="m", campaign="again", seed=0, broker=broker)
+    assert (again.enqueued, again.already_done) == (0, 5)
 
 
 def test_a_job_given_twice_is_sent_once(broker: str, tmp_path: Path) -> None:

@@ -10,122 +10,39 @@
 
 (A schedule change reaching a running beat within 2 s is held by tests/test_schedules.py.)
 
-Real parts: a redis-server, one `renderfarm worker` process (shared by the worker tests, each
-with its own campaign) storing to the GCS emulator through a proxy, so that a test can stall
-storage to see a campaign stand still mid-way (tests/fault_proxies.py), and `renderfarm
-render` as a user runs it.
+Real parts: the session's farm (tests/conftest.py: a redis-server, two `renderfarm worker`
+processes storing to the GCS emulator through a proxy, so that a test can stall storage to see
+a campaign stand still mid-way, tests/fault_proxies.py), each test with its own campaign, and
+`renderfarm render` as a user runs it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import json
-import os
 import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from harness.farm import STEPS, enqueue, jobs, manifest_ids, wait_done, wait_for
 from renderfarm.gallery import THUMB_SIZE, TILE_GAP, grid_shape
-from renderfarm.layout import image_name, index_name, preview_name
-from renderfarm.progress import Progress
-from renderfarm.storage import Storage, open_storage
-from tests.conftest import STEPS, Cli
-from tests.farm import (
-    WorkerProcess,
-    enqueue,
-    farm_app,
-    jobs,
-    manifest_ids,
-    wait_done,
-    wait_for,
-)
+from renderfarm.layout import image_name, index_name, preview_name, sidecar_name
+from renderfarm.storage import Storage
 from tests.fault_proxies import GcsProxy, Rule
-from tests.gcs_emulator import GcsEmulator
-from tests.redis_server import RedisServer
-from tests.test_reference import BATCHES, ORACLE, TOLERANCE
+from tests.helpers import BATCHES, ORACLE, STORE_THREADS, TOLERANCE, Cli, Farm
 
-BUCKET = "promises"
-OUT = f"gs://{BUCKET}/out"
-STORE_THREADS = 3
 GALLERY_INTERVAL = 30.0  # the README's "kept fresh": a running campaign's gallery, at most this stale
-REPO = Path(__file__).resolve().parents[1]
-
-# Test instrumentation for the worker process only: Python 3.11 does not give its threads
-# OS-level names (3.14 does), so a test cannot see a worker's thread pools from outside.
-# This names each thread's OS thread after the Python thread (ThreadPoolExecutor's
-# `store_0`, `store_1`, ...); it changes nothing else.
-THREAD_NAMES = '''\
-import ctypes
-import threading
-
-_prctl = ctypes.CDLL(None).prctl
-_bootstrap_inner = threading.Thread._bootstrap_inner
-
-
-def _named(self):
-    try:
-        _prctl(15, self.name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-    except Exception:
-        pass
-    _bootstrap_inner(self)
-
-
-threading.Thread._bootstrap_inner = _named
-'''
-
-
-@dataclasses.dataclass
-class Farm:
-    worker: WorkerProcess
-    proxy: GcsProxy
-    progress: Progress
-    broker: str
-    app: Any
-
-
-@pytest.fixture(scope="module")
-def farm(redis_server: RedisServer, gcs_server: GcsEmulator, tiny_sd: Path,
-         tmp_path_factory: pytest.TempPathFactory) -> Iterator[Farm]:
-    """One worker on the tiny model with --store-threads 3, storing to the emulator through a
-    proxy; each test gives it a campaign of its own."""
-    gcs_server.create_bucket(BUCKET)
-    proxy = GcsProxy(gcs_server.url)
-    site = tmp_path_factory.mktemp("thread-names")
-    (site / "sitecustomize.py").write_text(THREAD_NAMES)
-    env = {"STORAGE_EMULATOR_HOST": proxy.url,
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
-    app = farm_app(redis_server.url)
-    worker = WorkerProcess(tiny_sd, OUT, redis_server.url, "promised", tmp_path_factory.mktemp("worker-logs"),
-                           env, extra=("--store-threads", str(STORE_THREADS)))
-    try:
-        worker.wait_ready(app)
-        yield Farm(worker, proxy, Progress(redis_server.client()), redis_server.url, app)
-    finally:
-        worker.stop()
-        proxy.close()
-
-
-@pytest.fixture()
-def bucket(farm: Farm, gcs: GcsEmulator) -> Storage:
-    """The worker's output, read straight from the emulator (not through the proxy)."""
-    return open_storage(OUT)
-
-
-
-
 
 
 @contextlib.contextmanager
 def storage_stalled(proxy: GcsProxy, campaign: str) -> Iterator[Rule]:
-    """Every storage request of the campaign waits until the block ends: the worker can store
+    """Every storage request of the campaign waits until the block ends: the workers can store
     (and so finish) nothing of it meanwhile, as when a bucket is slow."""
     rule = proxy.add(Rule(rf"^out/{re.escape(campaign)}/", hold=True))
     try:
@@ -151,6 +68,7 @@ def max_diff(a: bytes | np.ndarray | Path, b: bytes | np.ndarray | Path) -> int:
 # --------------------------------------------------------------------------- status
 
 
+@pytest.mark.farm
 def test_status_reports_images_per_second_and_eta_while_a_campaign_runs(farm: Farm, cli: Cli,
                                                                         tiny_sd: Path) -> None:
     """An operator follows a campaign with `renderfarm status`: mid-way, with jobs left, it
@@ -196,11 +114,12 @@ def preview_tiles(storage: Storage, campaign: str) -> tuple[int, int]:
     return (width - TILE_GAP) // (THUMB_SIZE + TILE_GAP), (height - TILE_GAP) // (THUMB_SIZE + TILE_GAP)
 
 
+@pytest.mark.farm
 def test_workers_keep_index_and_preview_fresh_while_a_campaign_runs(farm: Farm, bucket: Storage,
                                                                     tiny_sd: Path) -> None:
     """A campaign's gallery is how people watch it: the first stored batch shows at once, a
-    running campaign's gallery is at most 30 s stale, and it is complete once the worker runs
-    out of work. The worker is kept busy throughout the 30 s (its stores held back), so the
+    running campaign's gallery is at most 30 s stale, and it is complete once the workers run
+    out of work. The workers are kept busy throughout the 30 s (their stores held back), so the
     refresh seen mid-way is the periodic one, not the one a worker makes when it goes idle."""
     campaign, n = "gallery-live", 72
     enqueue(farm.app, farm.progress, jobs(tiny_sd, campaign, n, seed=5000))
@@ -232,18 +151,21 @@ def thread_names(pid: int) -> list[str]:
     return names
 
 
+@pytest.mark.farm
 def test_worker_stores_on_the_store_threads_it_is_given(farm: Farm, bucket: Storage, tiny_sd: Path,
                                                         sd_engine) -> None:
     """`--store-threads` is how an operator gives a host's cores to PNG encoding and uploads:
-    the worker must store on that many threads (this machine's default would be 2), and
+    a worker must store on that many threads (this machine's default would be 2), and
     what it stores must be right."""
     campaign, n = "threads", 16
     specs = enqueue(farm.app, farm.progress, jobs(tiny_sd, campaign, n, seed=7000))
     status = wait_done(farm.progress, campaign, n)
     assert (status["done"], status["failed"]) == (n, 0)
-    stores = sorted(name for name in thread_names(farm.worker.proc.pid) if name.startswith("store_"))
-    assert stores == [f"store_{i}" for i in range(STORE_THREADS)], thread_names(farm.worker.proc.pid)
     assert sorted(manifest_ids(bucket, campaign)) == sorted(s.job_id for s in specs)
+    pids = {json.loads(bucket.get(sidecar_name(campaign, s.job_id)))["worker"]["pid"] for s in specs}
+    for pid in pids:  # each worker that stored the campaign
+        stores = sorted(name for name in thread_names(pid) if name.startswith("store_"))
+        assert stores == [f"store_{i}" for i in range(STORE_THREADS)], thread_names(pid)
     for spec, local in zip(specs, sd_engine.render(specs)):
         assert max_diff(bucket.get(image_name(campaign, spec.job_id)), local.image) <= TOLERANCE
 
@@ -251,6 +173,7 @@ def test_worker_stores_on_the_store_threads_it_is_given(farm: Farm, bucket: Stor
 # --------------------------------------------------------------------------- per-device batch 2
 
 
+@pytest.mark.oracle
 def test_per_device_batch_2_keeps_the_reproducibility_contract(cli: Cli, tmp_path: Path) -> None:
     """`--per-device-batch 2` is how a host with memory to spare renders more at once: its
     batches of 16 on 8 devices must give the images diffusers' PyTorch pipeline gives, and

@@ -11,49 +11,19 @@ must be within 2/255 per channel of PyTorch's.
 
 from __future__ import annotations
 
-import functools
 import json
 import shutil
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 from flax.serialization import msgpack_serialize
-from PIL import Image
 
-from diffusion.models import LoadedModel, load_model
-from renderfarm.jobs import JobError, JobSpec
+from diffusion.models import load_model
+from renderfarm.jobs import JobError
+from tests.helpers import BATCHES, DATA, ORACLE, SAMPLER_BATCHES, TOLERANCE, loaded, max_diffs
 from worker.engine import Engine
-
-DATA = Path(__file__).parent / "data"
-ORACLE = DATA / "oracle"
-TOLERANCE = 2  # out of 255, per channel (the contract)
-
-
-def reference_jobs() -> dict[tuple[str, str | None, str, int, int], list[dict[str, Any]]]:
-    """Every reference job, by what a batch shares: model folder, variant, scheduler, size."""
-    batches: dict[tuple[str, str | None, str, int, int], list[dict[str, Any]]] = defaultdict(list)
-    for index in sorted(ORACLE.glob("*/jobs.json")):
-        for job in json.loads(index.read_text())["jobs"]:
-            batches[(job["model"], job["variant"], job["scheduler"], job["width"], job["height"])].append(job)
-    return dict(batches)
-
-
-BATCHES = reference_jobs()
-
-
-def sampler_jobs() -> dict[str, list[dict[str, Any]]]:
-    """The stochastic schedulers, the sampler options and the few-step recipes
-    (tests/oracle/samplers.py), by set; model and image paths are relative to tests/data."""
-    batches: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for job in json.loads((DATA / "samplers" / "jobs.json").read_text())["jobs"]:
-        batches[job["batch"]].append(job)
-    return dict(batches)
-
-
-SAMPLER_BATCHES = sampler_jobs()
 
 
 def lora_jobs() -> dict[str, list[dict[str, Any]]]:
@@ -68,38 +38,6 @@ def lora_jobs() -> dict[str, list[dict[str, Any]]]:
 LORA_BATCHES = lora_jobs()
 
 
-def representable(job: dict[str, Any], model: LoadedModel) -> bool:
-    """A job the contract can state. A job's empty negative prompt is PyTorch's `None`: SDXL
-    then uses zeros (force_zeros_for_empty_prompt), where an explicit "" would be encoded."""
-    return not (job["negative_prompt"] == "" and model.family.name == "sdxl"
-                and dict(model.networks.options).get("force_zeros_for_empty_prompt", False))
-
-
-@functools.cache
-def loaded(folder: str, variant: str | None) -> tuple[LoadedModel, Engine]:
-    model = load_model(str(ORACLE / folder), variant=variant)
-    return model, Engine(model)
-
-
-def spec(model: LoadedModel, job: dict[str, Any]) -> JobSpec:
-    return JobSpec(prompt=job["prompt"], model=model.ref, seed=job["seed"], steps=job["steps"],
-                   negative_prompt=job["negative_prompt"] or "", guidance_scale=job["guidance_scale"],
-                   width=job["width"], height=job["height"], scheduler=job["scheduler"], variant=job["variant"],
-                   timestep_spacing=job.get("timestep_spacing"), karras=job.get("karras"), base=model.base,
-                   loras=model.loras)
-
-
-def max_diffs(engine: Engine, model: LoadedModel, jobs: list[dict[str, Any]], images: Path = ORACLE) -> list[int]:
-    """Each job's largest channel difference from its reference image (under `images`)."""
-    jobs = [job for job in jobs if representable(job, model)]
-    rendered = engine.render([spec(model, job) for job in jobs])
-    # Like PyTorch, a scale <= 1 runs no classifier-free guidance: a program of its own.
-    assert [r.key.guided for r in rendered] == [job["guidance_scale"] > 1 for job in jobs]
-    return [int(np.abs(np.asarray(Image.open(images / job["image"]).convert("RGB"), np.int16)
-                       - result.image.astype(np.int16)).max())
-            for job, result in zip(jobs, rendered)]
-
-
 def test_the_oracle_covers_every_family_scheduler_and_format() -> None:
     kinds = {(model.split("/")[0], variant, scheduler) for model, variant, scheduler, _, _ in BATCHES}
     for family in ("sd1", "sd2", "sdxl"):
@@ -111,6 +49,7 @@ def test_the_oracle_covers_every_family_scheduler_and_format() -> None:
     assert {0.5, 1.0, 7.5} <= guidance  # with and without classifier-free guidance
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("batch", sorted(BATCHES, key=str), ids=lambda b: f"{b[0]}-{b[1] or 'f32'}-{b[2]}-{b[3]}x{b[4]}")
 def test_images_match_diffusers_pytorch(batch: tuple[str, str | None, str, int, int]) -> None:
     folder, variant, *_ = batch
@@ -128,6 +67,7 @@ def test_the_samplers_cover_the_stochastic_schedulers_options_and_recipes() -> N
     assert {job["model"].split("/")[1] for job in jobs if job["scheduler"] in ("euler_a", "lcm")} == {"sd1", "sd2", "sdxl"}
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("batch", sorted(SAMPLER_BATCHES))
 def test_samplers_and_recipes_match_diffusers_pytorch(batch: str) -> None:
     """euler_a and lcm with the contract's step noise, the job's timestep_spacing and karras over
@@ -148,6 +88,7 @@ TURBO_SCHEDULER = {
 }
 
 
+@pytest.mark.oracle
 def test_a_turbo_model_folder_needs_no_sampler_fields(tmp_path: Path) -> None:
     """A model whose scheduler config is SDXL-Turbo's renders the Turbo recipe from its own
     config: jobs that name no scheduler or spacing get euler_a with trailing spacing."""
@@ -171,6 +112,7 @@ def test_the_lora_references_cover_every_deterministic_scheduler_on_sdxl() -> No
         assert {(job["seed"], job["negative_prompt"]) for job in jobs} >= {(12, None), (12, "blurry")}
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("batch", sorted(LORA_BATCHES))
 def test_loras_match_diffusers_pytorch(batch: str) -> None:
     """A LoRA (UNet, convs and text encoders; PEFT and kohya files) merged at load at scale
@@ -184,6 +126,7 @@ def test_loras_match_diffusers_pytorch(batch: str) -> None:
     assert len(diffs) >= 6 and max(diffs) <= TOLERANCE, f"{batch}: max differences {diffs} (out of 255)"
 
 
+@pytest.mark.oracle
 def test_loras_stack_and_a_lora_of_another_family_is_refused() -> None:
     """Two LoRAs add up: the same LoRA in its two formats at 0.35 each is the 0.7 reference;
     and an SDXL LoRA on an SD 1.x model is refused before anything loads, naming its keys."""
@@ -196,6 +139,7 @@ def test_loras_stack_and_a_lora_of_another_family_is_refused() -> None:
         load_model(str(DATA / jobs[0]["model"]), loras=((str(DATA / "lora" / "sdxl" / "kohya.safetensors"), 1.0),))
 
 
+@pytest.mark.oracle
 def test_flax_msgpack_weights_render_the_same(tmp_path: Path) -> None:
     """Today's Flax checkpoints (diffusers' Flax parameter names, msgpack) load unchanged:
     the same weights saved that way render the same references."""

@@ -12,11 +12,10 @@ from typing import Any
 import pytest
 from PIL import Image
 
+from harness.farm import STEPS, manifest_records
 from renderfarm.jobs import JobError
 from renderfarm.storage import open_storage
 from renderfarm_cli import main
-from tests.conftest import STEPS
-from tests.farm import manifest_records
 from tests.gcs_emulator import GcsEmulator
 from worker.commands import parse_shapes
 

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
+from harness.redis_server import RedisServer
 from producer.schedules import (
     SEED_SPAN,
     cron_schedule,
@@ -30,8 +31,7 @@ from producer.schedules import (
 )
 from renderfarm.queue import make_app, queue_name
 from renderfarm.settings import Settings
-from tests.conftest import Cli
-from tests.redis_server import RedisServer
+from tests.helpers import Cli
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "sched/model"

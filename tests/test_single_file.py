@@ -21,7 +21,7 @@ from diffusion.models import LoadedModel, load_model
 from diffusion.single_file import SingleFile, read_single_file
 from diffusion.weights import ST_DTYPES, TensorInfo, read_header, read_tensor
 from renderfarm.jobs import JobError
-from tests.test_reference import BATCHES, ORACLE, TOLERANCE, max_diffs
+from tests.helpers import BATCHES, ORACLE, TOLERANCE, loaded, max_diffs
 from worker.engine import Engine
 
 SINGLE = Path(__file__).parent / "data" / "single_file"
@@ -66,7 +66,8 @@ def same_params(a: LoadedModel, b: LoadedModel) -> None:
 
 @pytest.fixture(scope="module")
 def folders() -> dict[str, LoadedModel]:
-    return {family: load_model(str(ORACLE / family / "model")) for family in FAMILIES}
+    """The folders' models, as the other oracle tests load them (once a session)."""
+    return {family: loaded(f"{family}/model", None)[0] for family in FAMILIES}
 
 
 # ---------------------------------------------------------------------------------- reading the files
@@ -147,6 +148,7 @@ def test_views_are_the_files_bytes_reshaped_split_and_transposed() -> None:
 
 # -------------------------------------------------------------------------------------------- loading
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_single_file_loads_the_folders_weights(family: str, folders: dict[str, LoadedModel]) -> None:
     single = load_model(str(SINGLE / f"{family}.safetensors"), base=str(ORACLE / family / "model"))
@@ -155,6 +157,7 @@ def test_a_single_file_loads_the_folders_weights(family: str, folders: dict[str,
     assert [w["role"] for w in single.weights] == ["single_file"]
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_single_file_renders_diffusers_references(family: str) -> None:
     """The file holds the folder's weights (diffusers' from_single_file says so), so it renders
@@ -164,6 +167,7 @@ def test_a_single_file_renders_diffusers_references(family: str) -> None:
     assert max(max_diffs(Engine(model), model, jobs)) <= TOLERANCE
 
 
+@pytest.mark.oracle
 def test_a_unet_saved_alone_takes_the_rest_from_its_base(tmp_path: Path, folders: dict[str, LoadedModel]) -> None:
     """SDXL-Lightning's `*_unet.safetensors`: a diffusers UNet alone; VAE and text encoders are the base's."""
     unet = tmp_path / "lightning_unet.safetensors"

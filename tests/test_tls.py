@@ -1,5 +1,5 @@
 """The broker's password and TLS with real parts: a redis-server with `--requirepass` and a
-TLS port (certificates made by tests/tls.py), the `renderfarm` CLI and one real
+TLS port (certificates made by harness/tls.py), the `renderfarm` CLI and one real
 `renderfarm worker` that renders jobs over `rediss://` with the password in its URL.
 
 The password is random and long, so finding it anywhere in an output is a leak, never chance.
@@ -18,16 +18,15 @@ from urllib.parse import quote
 
 import pytest
 
+from harness.farm import STEPS, WorkerProcess, enqueue, farm_app, wait_for
+from harness.redis_server import RedisServer
+from harness.tls import make_certificates
 from renderfarm.jobs import JobSpec
 from renderfarm.layout import image_name, sidecar_name
 from renderfarm.progress import Progress
 from renderfarm.queue import make_app
 from renderfarm.settings import Settings, redacted
 from renderfarm.storage import open_storage
-from tests.conftest import STEPS
-from tests.farm import WorkerProcess, enqueue, farm_app, wait_for
-from tests.redis_server import RedisServer
-from tests.tls import make_certificates
 from worker.broker import transport_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,6 +93,7 @@ def rendered(broker_server: Broker, tiny_sd: Path, tmp_path_factory: pytest.Temp
     return Rendered(url, jobs, out, status, stats, worker.log.read_text())
 
 
+@pytest.mark.farm
 def test_worker_renders_with_the_password_in_its_url(rendered: Rendered) -> None:
     assert PASSWORD in rendered.url
     assert rendered.status["done"] == JOBS and rendered.status["failed"] == 0, rendered.status
@@ -103,11 +103,13 @@ def test_worker_renders_with_the_password_in_its_url(rendered: Rendered) -> None
         assert storage.get(sidecar_name(CAMPAIGN, job.job_id))
 
 
+@pytest.mark.farm
 def test_worker_log_never_shows_the_password(rendered: Rendered) -> None:
     assert "serving" in rendered.log and "127.0.0.1" in rendered.log, rendered.log[-3000:]  # a real log
     assert PASSWORD not in rendered.log
 
 
+@pytest.mark.farm
 def test_rediss_keeps_the_atomic_pop(broker_server: Broker, rendered: Rendered) -> None:
     """Over TLS the worker still takes messages with its pop script (EVALSHA), never with
     stock kombu's BRPOP, which pops before recording and loses a job to a kill in between."""

@@ -14,7 +14,7 @@ from urllib.parse import quote
 
 import redis
 
-from tests.tls import TlsFiles
+from harness.tls import TlsFiles
 
 
 def free_port() -> int:

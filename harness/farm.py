@@ -1,4 +1,4 @@
-"""Real farm processes for tests: `renderfarm worker` subprocesses against a real Redis."""
+"""Real farm processes for the tests and the benchmarks: `renderfarm worker` subprocesses against a real Redis."""
 
 from __future__ import annotations
 

@@ -1,0 +1,3 @@
+"""Real farm parts that the tests and the benchmarks both start: a redis-server on a free port,
+`renderfarm worker` processes, TLS certificates. Not part of the installed package; tests find it
+from the repository root and bench/ runs with PYTHONPATH=."""

@@ -1,0 +1,211 @@
+"""Helpers more than one test file uses, so that no test file imports another: the session's
+farm, the reproducibility contract's references (`make oracle` wrote them under tests/data/),
+results stored as a worker stores them, command lines checked against the real parser, and the
+type of the `cli` fixture."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import io
+import json
+import shlex
+import signal
+import urllib.request
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from diffusion.models import LoadedModel, load_model
+from harness.farm import STEPS, WorkerProcess
+from harness.redis_server import RedisServer
+from renderfarm.jobs import JobSpec, parse_job
+from renderfarm.layout import manifest_name
+from renderfarm.progress import Progress
+from renderfarm.storage import Storage
+from renderfarm_cli import parser
+from tests.fault_proxies import GcsProxy
+from worker.engine import Engine
+
+Cli = Callable[..., tuple[int, str, str]]  # the `cli` fixture: (exit code, stdout, stderr)
+
+# --------------------------------------------------------------------------- the session's farm
+
+FARM_OUT = "gs://farm/out"  # where the farm's workers store, through `Farm.proxy`
+STORE_THREADS = 3  # each farm worker's --store-threads
+
+
+@dataclasses.dataclass
+class Farm:
+    """The session's farm (tests/conftest.py): a redis-server, two `renderfarm worker` processes
+    on the tiny model storing to FARM_OUT through `proxy`, each serving /metrics. Each test gives
+    it campaigns of its own; a test that breaks a worker on purpose starts its own."""
+
+    redis: RedisServer
+    app: Any  # the Celery app producers send with
+    progress: Progress
+    workers: list[WorkerProcess]
+    proxy: GcsProxy  # in front of the emulator: a test can stall or fail storage requests
+    env: dict[str, str]  # the workers' environment, for a test's own worker beside them
+    logs: Path
+    metrics_ports: list[int]
+    started: list[dict[str, float]]  # each worker's /metrics once it was ready
+
+    @property
+    def broker(self) -> str:
+        return self.redis.url
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Every worker stopped (SIGSTOP) meanwhile: nothing is taken, rendered or stored."""
+        for worker in self.workers:
+            worker.proc.send_signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            for worker in self.workers:
+                worker.proc.send_signal(signal.SIGCONT)
+
+
+def scrape(port: int) -> dict[str, float]:
+    """A worker's /metrics as {sample with labels: value}."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
+
+# --------------------------------------------------------------------------- the oracle's references
+
+DATA = Path(__file__).parent / "data"
+ORACLE = DATA / "oracle"
+TOLERANCE = 2  # out of 255, per channel (the contract)
+
+
+def reference_jobs() -> dict[tuple[str, str | None, str, int, int], list[dict[str, Any]]]:
+    """Every reference job, by what a batch shares: model folder, variant, scheduler, size."""
+    batches: dict[tuple[str, str | None, str, int, int], list[dict[str, Any]]] = defaultdict(list)
+    for index in sorted(ORACLE.glob("*/jobs.json")):
+        for job in json.loads(index.read_text())["jobs"]:
+            batches[(job["model"], job["variant"], job["scheduler"], job["width"], job["height"])].append(job)
+    return dict(batches)
+
+
+BATCHES = reference_jobs()
+
+
+def sampler_jobs() -> dict[str, list[dict[str, Any]]]:
+    """The stochastic schedulers, the sampler options and the few-step recipes
+    (tests/oracle/samplers.py), by set; model and image paths are relative to tests/data."""
+    batches: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for job in json.loads((DATA / "samplers" / "jobs.json").read_text())["jobs"]:
+        batches[job["batch"]].append(job)
+    return dict(batches)
+
+
+SAMPLER_BATCHES = sampler_jobs()
+
+
+def representable(job: dict[str, Any], model: LoadedModel) -> bool:
+    """A job the contract can state. A job's empty negative prompt is PyTorch's `None`: SDXL
+    then uses zeros (force_zeros_for_empty_prompt), where an explicit "" would be encoded."""
+    return not (job["negative_prompt"] == "" and model.family.name == "sdxl"
+                and dict(model.networks.options).get("force_zeros_for_empty_prompt", False))
+
+
+@functools.cache
+def loaded(folder: str, variant: str | None) -> tuple[LoadedModel, Engine]:
+    """An oracle checkpoint and its engine, loaded (and compiled) once per session for every
+    test file that renders it: loading is the slow part on a CPU."""
+    model = load_model(str(ORACLE / folder), variant=variant)
+    return model, Engine(model)
+
+
+def spec(model: LoadedModel, job: dict[str, Any]) -> JobSpec:
+    return JobSpec(prompt=job["prompt"], model=model.ref, seed=job["seed"], steps=job["steps"],
+                   negative_prompt=job["negative_prompt"] or "", guidance_scale=job["guidance_scale"],
+                   width=job["width"], height=job["height"], scheduler=job["scheduler"], variant=job["variant"],
+                   timestep_spacing=job.get("timestep_spacing"), karras=job.get("karras"), base=model.base,
+                   loras=model.loras)
+
+
+def max_diffs(engine: Engine, model: LoadedModel, jobs: list[dict[str, Any]], images: Path = ORACLE) -> list[int]:
+    """Each job's largest channel difference from its reference image (under `images`)."""
+    jobs = [job for job in jobs if representable(job, model)]
+    rendered = engine.render([spec(model, job) for job in jobs])
+    # Like PyTorch, a scale <= 1 runs no classifier-free guidance: a program of its own.
+    assert [r.key.guided for r in rendered] == [job["guidance_scale"] > 1 for job in jobs]
+    return [int(np.abs(np.asarray(Image.open(images / job["image"]).convert("RGB"), np.int16)
+                       - result.image.astype(np.int16)).max())
+            for job, result in zip(jobs, rendered)]
+
+
+# --------------------------------------------------------------------------- stored results
+
+COLOURS = [(230, 30, 30), (30, 200, 40), (40, 60, 230), (240, 220, 20), (200, 40, 220)]
+HOSTILE = ['<script>alert("x")</script> a cat', '"><img src=x onerror=alert(1)> a dog']
+
+
+def store_jobs(storage: Storage, model: Any, jobs: list[JobSpec],
+               colours: list[tuple[int, int, int]]) -> list[dict[str, Any]]:
+    """The jobs' results, solid colours, stored the way the worker stores them (worker/output.py's
+    BatchWriter: PNG, sidecar, manifest lines, thumbnail): finished jobs without a render."""
+    import jax
+
+    from worker.engine import Batch, Rendered, ShapeKey
+    from worker.output import BatchWriter
+
+    batch = [Rendered(i, job, np.full((job.height, job.width, 3), colour, np.uint8),
+                      ShapeKey(job.width, job.height, job.steps, "pndm"), False, Batch(0, len(jobs), 8, 0.1))
+             for i, (job, colour) in enumerate(zip(jobs, colours, strict=True))]
+    stored: list[dict[str, Any]] = []
+    with BatchWriter(storage, model, jax.devices(), on_stored=stored.extend) as writer:
+        writer.submit(batch)
+    return stored
+
+
+def store_results(storage: Storage, model: Any, campaign: str, colours: list[tuple[int, int, int]],
+                  prompts: list[str] | None = None, size: tuple[int, int] = (64, 64)) -> list[dict[str, Any]]:
+    """Solid-colour results of a campaign, one job per colour, as the worker stores them."""
+    width, height = size
+    prompts = prompts or [f"a {c} square" for c in ("red", "green", "blue", "yellow", "magenta")][:len(colours)]
+    jobs = [parse_job({"prompt": p, "model": model.ref, "seed": 100 + i, "steps": STEPS, "width": width,
+                       "height": height, "campaign": campaign}) for i, p in enumerate(prompts)]
+    return store_jobs(storage, model, jobs, colours)
+
+
+def append_raw(storage: Storage, campaign: str, lines: list[str]) -> None:
+    """Lines appended to a local manifest behind its back (the worker never writes a job twice)."""
+    with storage.path(manifest_name(campaign)).open("a") as file:
+        file.writelines(line + "\n" for line in lines)
+
+
+# --------------------------------------------------------------------------- `renderfarm` command lines
+
+def subcommands(top: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    return {name: sub for action in top._actions if isinstance(action, argparse._SubParsersAction)
+            for name, sub in action.choices.items()}
+
+
+def check_renderfarm_args(argv: list[str], where: str) -> argparse.Namespace:
+    """Parse `renderfarm ARGV` with renderfarm_cli.parser(); fail with the parser's message."""
+    assert argv, f"{where}: `renderfarm` without a subcommand"
+    top = parser()
+    known = subcommands(top)
+    if argv[0] not in known:
+        pytest.fail(f"{where}: `renderfarm {argv[0]}` is not a renderfarm subcommand ({sorted(known)})")
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return top.parse_args(argv)
+    except SystemExit:
+        pytest.fail(f"{where}: renderfarm {shlex.join(argv)}\n{err.getvalue()}")
