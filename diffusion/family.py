@@ -84,3 +84,7 @@ class Family:
     options: tuple[tuple[str, Any], ...] = ()
     # the job contract's schedulers its models run (a job naming another is refused)
     schedulers: tuple[str, ...] = DDPM_SCHEDULERS
+    # whether a job's guidance scale > 1 means classifier-free guidance (an unconditional pass
+    # beside the conditional one each step: its own programs, twice the denoiser's work); False
+    # for guidance-distilled models, which take the scale as an input of their one pass
+    classifier_free: bool = True

@@ -17,7 +17,7 @@ so it is done here and the host only deflates (worker/png.py).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -71,26 +71,37 @@ def step_noise(keys: jax.Array, i: jax.Array, shape: tuple[int, int, int]) -> ja
 def denoise(unet: UNet2DConditionModel, unet_params: Any, scheduler: Scheduler, static: Static,
             latent_shape: tuple[int, int, int], inputs: Inputs, context: jax.Array,
             added: Mapping[str, jax.Array] | None) -> jax.Array:
-    """The sampling loop of diffusers' PyTorch pipelines. Guided, `context` (and `added`)
-    hold the unconditional half first, then the conditional, and each job has its own
-    scale; unguided, they hold the conditional input alone. Latents and the scheduler's
-    state stay float32 whatever the UNet computes in."""
-    latents = initial_latents(inputs.keys, latent_shape)
+    """The sampling loop of diffusers' PyTorch UNet pipelines on the contract's latents.
+    Guided, `context` (and `added`) hold the unconditional half first, then the conditional;
+    unguided, they hold the conditional input alone."""
+    def predict(model_input: jax.Array, t: jax.Array) -> jax.Array:
+        return unet.apply({"params": unet_params}, model_input, t, context, added)
+
+    return sample(predict, scheduler, static, initial_latents(inputs.keys, latent_shape), inputs)
+
+
+def sample(predict: Callable[[jax.Array, jax.Array], jax.Array], scheduler: Scheduler, static: Static,
+           latents: jax.Array, inputs: Any) -> jax.Array:
+    """The loop every family shares, from `latents` (B, ...) with the denoiser `predict`
+    (model input, timesteps (B,)) -> prediction; `inputs` gives the jobs' `keys` and
+    `guidance`. Guided, each step predicts on the latents twice over (unconditional half
+    first) and each job has its own scale. Latents and the scheduler's state stay float32
+    whatever the denoiser computes in."""
     state = scheduler.set_timesteps(static.steps, latents.shape)  # host side: constants
     latents = latents * state.init_noise_sigma
     halves = 2 if static.guided else 1
-    guidance = inputs.guidance.astype(jnp.float32)[:, None, None, None]
+    guidance = inputs.guidance.astype(jnp.float32).reshape(-1, *[1] * (latents.ndim - 1))
 
     def body(i: jax.Array, carry: tuple[jax.Array, Any]) -> tuple[jax.Array, Any]:
         latents, state = carry
         model_input = scheduler.scale_model_input(state, jnp.concatenate([latents] * halves), i)
         t = jnp.broadcast_to(state.timesteps[i], model_input.shape[:1])
-        prediction = unet.apply({"params": unet_params}, model_input, t, context, added).astype(jnp.float32)
+        prediction = predict(model_input, t).astype(jnp.float32)
         if static.guided:
             uncond, text = jnp.split(prediction, 2)
             prediction = uncond + guidance * (text - uncond)
         if scheduler.stochastic:
-            return scheduler.step(state, prediction, i, latents, step_noise(inputs.keys, i, latent_shape))
+            return scheduler.step(state, prediction, i, latents, step_noise(inputs.keys, i, latents.shape[1:]))
         return scheduler.step(state, prediction, i, latents)
 
     latents, _ = jax.lax.fori_loop(0, state.timesteps.shape[0], body, (latents, state))
@@ -108,9 +119,11 @@ def denoise_and_decode(nets: Networks, scheduler: Scheduler, static: Static, par
     return decode(vae, params["vae"], latents)
 
 
-def decode(vae: AutoencoderKL, vae_params: Any, latents: jax.Array) -> Output:
-    """Latents to uint8 pixels as the PyTorch pipelines' image processor makes them."""
-    pixels = vae.apply({"params": vae_params}, latents / vae.config.scaling_factor, method=vae.decode)
+def decode(vae: AutoencoderKL, vae_params: Any, latents: jax.Array, shift: float = 0.0) -> Output:
+    """Latents to uint8 pixels as the PyTorch pipelines' image processor makes them: the VAE
+    decodes latents / scaling_factor + `shift` (Flux's pipeline adds the VAE's shift_factor;
+    the SD pipelines add nothing)."""
+    pixels = vae.apply({"params": vae_params}, latents / vae.config.scaling_factor + shift, method=vae.decode)
     image = (pixels.astype(jnp.float32) / 2 + 0.5).clip(0, 1).transpose(0, 2, 3, 1)
     image = jnp.round(image * 255).astype(jnp.uint8)
     return Output(image, png_scanlines(image))

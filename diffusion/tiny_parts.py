@@ -24,6 +24,7 @@ _TEXT_HIDDEN = 32  # hidden size (and SDXL projection_dim) of each tiny CLIP tex
 _TIME_EMBED_DIM = 8  # SDXL addition_time_embed_dim (256 in the real model)
 _SD_BETAS = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "num_train_timesteps": 1000}
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
+DIFFUSERS_KINDS = ("unet", "vae", "flux")  # convert kinds of diffusers' networks (the others are transformers')
 
 
 def _byte_chars() -> list[str]:
@@ -56,6 +57,39 @@ def clip_tokenizer_files(folder: pathlib.Path, pad: str, max_length: int = _MAX_
     for name, data in (("tokenizer_config.json", config), ("special_tokens_map.json", tokens_map)):
         (folder / name).write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n",
                                    encoding="utf-8")
+    return len(vocab)
+
+
+T5_SPECIALS = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2 as in every T5 vocabulary
+_T5_WORDS = ("a", "the", "of", "in", "on", "at", "red", "fox", "snow", "light", "house", "cliff", "dusk", "cat",
+             "bowl", "ramen", "oil", "paint", "ing", "night", "city", "tree", "blue", "sky")
+
+
+def t5_tokenizer_files(folder: pathlib.Path, max_length: int = 512) -> int:
+    """A T5 Unigram tokenizer.json (made with the `tokenizers` library, as transformers saves
+    one) and its tokenizer_config.json: the specials, "▁", the printable ASCII characters and
+    a few accented ones, and some words with and without "▁", scored so that whole words win.
+    Other characters are unknown (id 2), as in T5. Returns the vocabulary size."""
+    from tokenizers import AddedToken, Tokenizer, pre_tokenizers, processors
+    from tokenizers.models import Unigram
+
+    chars = [chr(c) for c in range(33, 127)] + list("éèüöñç")
+    vocab = [(t, 0.0) for t in T5_SPECIALS] + [("▁", -2.0)] + [(c, -8.0) for c in chars]
+    vocab += [(prefix + word, -3.0 - 0.1 * n) for n, word in enumerate(_T5_WORDS) for prefix in ("▁", "")]
+    tokenizer = Tokenizer(Unigram(vocab, unk_id=2, byte_fallback=False))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")])
+    tokenizer.post_processor = processors.TemplateProcessing(single=["$A", "</s>"], pair=["$A", "</s>", "$B", "</s>"],
+                                                             special_tokens=[("</s>", 1)])
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in T5_SPECIALS])
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    flags = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
+    write_json(folder / "tokenizer_config.json", {
+        "added_tokens_decoder": {str(i): {**flags, "content": t} for i, t in enumerate(T5_SPECIALS)},
+        "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>", "extra_ids": 0,
+        "additional_special_tokens": [], "model_max_length": max_length, "tokenizer_class": "T5Tokenizer",
+        "clean_up_tokenization_spaces": True})
     return len(vocab)
 
 
@@ -141,9 +175,10 @@ def write_pipeline(out: pathlib.Path, family: Family, configs: dict[str, dict[st
                              **tokenizers}
     for stream, (name, component) in enumerate(sorted(family.components.items())):
         module = component.module(component.config.from_dict(configs[name]))
-        weights = "diffusion_flax_model.msgpack" if component.kind in ("unet", "vae") else "flax_model.msgpack"
+        library = "diffusers" if component.kind in DIFFUSERS_KINDS else "transformers"
+        weights = "diffusion_flax_model.msgpack" if library == "diffusers" else "flax_model.msgpack"
         write_json(out / name / "config.json", configs[name])
         (out / name / weights).write_bytes(msgpack_serialize(random_params(module, seed, stream)))
-        index[name] = ["diffusers" if component.kind in ("unet", "vae") else "transformers", type(module).__name__]
+        index[name] = [library, type(module).__name__]
     write_json(out / "scheduler" / "scheduler_config.json", scheduler)
     write_json(out / "model_index.json", index)

@@ -1,4 +1,5 @@
-"""CLIP's byte-level BPE tokenizer, giving the ids the PyTorch Stable Diffusion pipelines get.
+"""The tokenizers of the text encoders, giving the ids diffusers' PyTorch pipelines get: CLIP's
+byte-level BPE (every family) and T5's SentencePiece Unigram (Flux's second encoder, `T5Tokenizer`).
 
 The reference is transformers 5.x `CLIPTokenizer`, which is no longer a Python BPE: its constructor
 builds a `tokenizers` pipeline (NFC; every run of whitespace to one space; lower case; CLIP's split
@@ -13,10 +14,13 @@ the raw text before any splitting. transformers 5 registers every special token 
 added token, so with pad `!` every `!` in a prompt becomes id 0 on its own; whether `<|endoftext|>`
 in a prompt is matched before or after lower-casing depends on each token's `normalized` flag. We
 gather the added tokens from the config files the way transformers 5 does (see `_added_tokens`).
+T5's tokenizer is rebuilt the same way from its tokenizer.json (see `T5Tokenizer`), so the worker
+needs no sentencepiece either.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 from typing import Any
@@ -30,12 +34,16 @@ from tokenizers import (
     pre_tokenizers,
     processors,
 )
-from tokenizers.models import BPE
+from tokenizers.models import BPE, Unigram
 
 # transformers 5.23 `CLIPTokenizer.__init__`, verbatim.
 _SPLIT = r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""
 _DEFAULTS = {"bos_token": "<|startoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
              "pad_token": "<|endoftext|>"}
+# transformers 5's T5Tokenizer: its named tokens' defaults, and the id it gives unknown pieces
+# (always 2, whatever the file says: it rebuilds the Unigram model).
+_T5_DEFAULTS = {"eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}
+_T5_UNK_ID = 2
 # The order transformers adds named special tokens in (`SPECIAL_TOKENS_ATTRIBUTES`): when two share
 # a content with different flags, the later one's flags win.
 _NAMED = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -46,9 +54,25 @@ class TokenizerError(ValueError):
     """A tokenizer folder that cannot be used; the message names the file."""
 
 
-class CLIPTokenizer:
+class FixedLength:
     """Encodes prompts to fixed-length id rows: `tokenizer(texts, padding="max_length",
-    max_length=model_max_length, truncation=True).input_ids`, as diffusers' pipelines call it."""
+    max_length=max_length, truncation=True).input_ids`, as diffusers' pipelines call it; the
+    `tokenizers` pipeline (truncation, special tokens, padding) is the subclass's."""
+
+    max_length: int
+    _tokenizer: Tokenizer
+
+    def __call__(self, texts: list[str]) -> tuple[np.ndarray, list[bool]]:
+        """(len(texts), max_length) int32 ids, padded or cut; and, per text, whether tokens were cut."""
+        if not texts:
+            return np.zeros((0, self.max_length), np.int32), []
+        encodings = self._tokenizer.encode_batch_fast(list(texts))
+        ids = np.array([e.ids for e in encodings], dtype=np.int32)
+        return ids, [bool(e.overflowing) for e in encodings]
+
+
+class CLIPTokenizer(FixedLength):
+    """CLIP's tokenizer: BOS, at most max_length - 2 tokens, EOS, then pad ids."""
 
     def __init__(self, tokenizer: Tokenizer, max_length: int, bos: str, eos: str, pad: str) -> None:
         self.max_length = max_length
@@ -80,16 +104,7 @@ class CLIPTokenizer:
             raise TokenizerError(f"{folder / 'tokenizer_config.json'}: model_max_length={max_length!r} "
                                  "must be the text encoder's sequence length (77 for CLIP)")
 
-        try:
-            added, named = _added_tokens(config, special_map, serialized)
-        except (ValueError, TypeError, AttributeError) as err:
-            raise TokenizerError(f"{folder / 'tokenizer_config.json'} (or special_tokens_map.json, "
-                                 f"tokenizer.json): unusable added or special tokens ({err})") from err
-        declared = {token.content for token, token_id in added if token_id is not None}
-        for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
-            if named[key] not in vocab and named[key] not in declared:
-                raise TokenizerError(f"{folder / 'tokenizer_config.json'}: {key} {named[key]!r} is not in the "
-                                     "vocabulary")
+        added, named = _special_tokens(folder, config, special_map, serialized, _DEFAULTS, vocab)
         try:
             bpe = BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
                       end_of_word_suffix="</w>", fuse_unk=False, unk_token=named["unk_token"])
@@ -103,29 +118,77 @@ class CLIPTokenizer:
             pre_tokenizers.Split(Regex(_SPLIT), behavior="removed", invert=True),
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
         ])
-        for token, expected_id in added:
-            if token.special:
-                tokenizer.add_special_tokens([token])
-            else:
-                tokenizer.add_tokens([token])
-            if expected_id is not None and tokenizer.token_to_id(token.content) != expected_id:
-                raise TokenizerError(f"{folder / 'tokenizer_config.json'}: added token {token.content!r} "
-                                     f"has id {expected_id} but the vocabulary gives it "
-                                     f"{tokenizer.token_to_id(token.content)}")
+        _add_tokens(folder, tokenizer, added)
         try:
             return cls(tokenizer, max_length, named["bos_token"], named["eos_token"], named["pad_token"])
         except TokenizerError as err:
             raise TokenizerError(f"{folder}: {err}") from err
 
-    def __call__(self, texts: list[str]) -> tuple[np.ndarray, list[bool]]:
-        """(len(texts), max_length) int32 ids: BOS, at most max_length - 2 tokens, EOS, then pad ids;
-        and, per text, whether tokens were cut."""
-        if not texts:
-            return np.zeros((0, self.max_length), np.int32), []
-        encodings = self._tokenizer.encode_batch_fast(list(texts))
-        ids = np.array([e.ids for e in encodings], dtype=np.int32)
-        return ids, [bool(e.overflowing) for e in encodings]
 
+class T5Tokenizer(FixedLength):
+    """T5's SentencePiece Unigram tokenizer as transformers 5's T5Tokenizer (T5TokenizerFast)
+    rebuilds it from a tokenizer.json, whatever else the file describes: the vocabulary and
+    scores, unknown pieces as id 2, the file's precompiled SentencePiece normalizer (if any),
+    whitespace split then Metaspace ("▁" before every word), `</s>` appended, padded with the
+    pad id or cut to `max_length` (diffusers' max_sequence_length, which the pipeline chooses,
+    not the folder)."""
+
+    def __init__(self, tokenizer: Tokenizer, max_length: int, eos: str, pad: str) -> None:
+        self.max_length = max_length
+        eos_id, pad_id = _token_id(tokenizer, eos), _token_id(tokenizer, pad)
+        tokenizer.post_processor = processors.TemplateProcessing(single=["$A", eos], pair=["$A", eos, "$B", eos],
+                                                                 special_tokens=[(eos, eos_id)])
+        tokenizer.enable_truncation(max_length)
+        tokenizer.enable_padding(length=max_length, pad_id=pad_id, pad_token=pad)
+        self._tokenizer = tokenizer
+
+    @classmethod
+    def from_folder(cls, folder: Path, max_length: int) -> T5Tokenizer:
+        """Reads a diffusers `tokenizer_2/` folder: tokenizer.json (a Unigram model) and
+        tokenizer_config.json (special and added tokens)."""
+        folder = Path(folder)
+        source = folder / "tokenizer.json"
+        serialized = _read_json(source)
+        config = _read_json(folder / "tokenizer_config.json")
+        model = serialized.get("model")
+        vocab = model.get("vocab") if isinstance(model, dict) else None
+        if (not isinstance(model, dict) or model.get("type") != "Unigram" or not isinstance(vocab, list)
+                or not all(isinstance(v, list) and len(v) == 2 and isinstance(v[0], str)
+                           and isinstance(v[1], (int, float)) for v in vocab)):
+            raise TokenizerError(f"{source}: model must be a Unigram model whose vocab lists [piece, score] pairs")
+        if len(vocab) <= _T5_UNK_ID:
+            raise TokenizerError(f"{source}: model.vocab has {len(vocab)} pieces; T5's unknown piece is id {_T5_UNK_ID}")
+        pieces = {piece: i for i, (piece, _) in enumerate(vocab)}
+        added, named = _special_tokens(folder, config, None, serialized, _T5_DEFAULTS, pieces)
+        tokenizer = Tokenizer(Unigram([(piece, float(score)) for piece, score in vocab], unk_id=_T5_UNK_ID,
+                                      byte_fallback=False))
+        charsmap = _precompiled_charsmap(serialized.get("normalizer"))
+        if charsmap is not None:
+            try:
+                tokenizer.normalizer = normalizers.Precompiled(charsmap)
+            except Exception as err:  # tokenizers raises a bare Exception
+                raise TokenizerError(f"{source}: normalizer's precompiled_charsmap is unusable ({err})") from err
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.WhitespaceSplit(),
+            pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True),
+        ])
+        _add_tokens(folder, tokenizer, added)
+        try:
+            return cls(tokenizer, max_length, named["eos_token"], named["pad_token"])
+        except TokenizerError as err:
+            raise TokenizerError(f"{folder}: {err}") from err
+
+
+def _precompiled_charsmap(normalizer: Any) -> bytes | None:
+    """The SentencePiece charsmap of a tokenizer.json's normalizer, as transformers 5 takes it
+    (the first `Precompiled` one, alone or in a Sequence; the other normalizers are dropped)."""
+    if not isinstance(normalizer, dict):
+        return None
+    parts = normalizer.get("normalizers", []) if normalizer.get("type") == "Sequence" else [normalizer]
+    for part in parts:
+        if isinstance(part, dict) and part.get("type") == "Precompiled" and "precompiled_charsmap" in part:
+            return base64.b64decode(part["precompiled_charsmap"])
+    return None
 
 def _token_id(tokenizer: Tokenizer, token: str) -> int:
     token_id = tokenizer.token_to_id(token)
@@ -134,8 +197,38 @@ def _token_id(tokenizer: Tokenizer, token: str) -> int:
     return token_id
 
 
-def _added_tokens(config: dict[str, Any], special_map: dict[str, Any] | None,
-                  serialized: dict[str, Any] | None) -> tuple[list[tuple[AddedToken, int | None]], dict[str, str]]:
+def _special_tokens(folder: Path, config: dict[str, Any], special_map: dict[str, Any] | None,
+                    serialized: dict[str, Any] | None, defaults: dict[str, str],
+                    vocab: dict[str, int]) -> tuple[list[tuple[AddedToken, int | None]], dict[str, str]]:
+    """`_added_tokens`, each named token checked to be in the vocabulary or declared."""
+    try:
+        added, named = _added_tokens(config, special_map, serialized, defaults)
+    except (ValueError, TypeError, AttributeError) as err:
+        raise TokenizerError(f"{folder / 'tokenizer_config.json'} (or special_tokens_map.json, "
+                             f"tokenizer.json): unusable added or special tokens ({err})") from err
+    declared = {token.content for token, token_id in added if token_id is not None}
+    for key in defaults:
+        if named[key] not in vocab and named[key] not in declared:
+            raise TokenizerError(f"{folder / 'tokenizer_config.json'}: {key} {named[key]!r} is not in the vocabulary")
+    return added, named
+
+
+def _add_tokens(folder: Path, tokenizer: Tokenizer, added: list[tuple[AddedToken, int | None]]) -> None:
+    """Registers the added tokens (matched in the raw text before any splitting), each checked
+    to get the id the files promise."""
+    for token, expected_id in added:
+        if token.special:
+            tokenizer.add_special_tokens([token])
+        else:
+            tokenizer.add_tokens([token])
+        if expected_id is not None and tokenizer.token_to_id(token.content) != expected_id:
+            raise TokenizerError(f"{folder / 'tokenizer_config.json'}: added token {token.content!r} "
+                                 f"has id {expected_id} but the vocabulary gives it "
+                                 f"{tokenizer.token_to_id(token.content)}")
+
+
+def _added_tokens(config: dict[str, Any], special_map: dict[str, Any] | None, serialized: dict[str, Any] | None,
+                  defaults: dict[str, str]) -> tuple[list[tuple[AddedToken, int | None]], dict[str, str]]:
     """The added tokens in the order transformers 5 registers them (with the id the files promise, if
     any), and the named special tokens' contents.
 
@@ -143,7 +236,7 @@ def _added_tokens(config: dict[str, Any], special_map: dict[str, Any] | None,
     way, special_tokens_map.json overrides the config's named tokens and tokenizer.json's
     `added_tokens` come first. Named tokens whose content is not listed yet follow, in `_NAMED` order.
     """
-    values = {**_DEFAULTS, **{k: config[k] for k in _NAMED if config.get(k) is not None}}
+    values = {**defaults, **{k: config[k] for k in _NAMED if config.get(k) is not None}}
     listed: list[tuple[AddedToken, int | None]] = []
     if "added_tokens_decoder" in config:
         decoder = config["added_tokens_decoder"]

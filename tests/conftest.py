@@ -42,6 +42,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # family run in one, so each family's models load once (SDXL's and the others' side by side).
 FARM_FILES = ("test_farm.py", "test_promises.py", "test_campaigns.py", "test_metrics.py", "test_flower.py")
 ORACLE_FILES = ("test_reference.py", "test_engine.py", "test_single_file.py")
+FLUX_FILES = ("test_flux.py",)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -55,6 +56,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
                 return "farm"
             if file in ORACLE_FILES:
                 return "oracle-sdxl" if "sdxl" in nodeid else "oracle-sd"
+            if file in FLUX_FILES:
+                return "oracle-flux"
             return nodeid  # any other test runs wherever there is room
 
     return Groups(config, log)

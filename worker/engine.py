@@ -49,7 +49,7 @@ class ShapeKey:
     height: int
     steps: int
     scheduler: str
-    guided: bool = True  # classifier-free guidance (scale > 1); else one UNet call a step
+    guided: bool = True  # classifier-free guidance (scale > 1, its family's kind); else one denoiser call a step
     timestep_spacing: str | None = None  # the job's; None: the model's scheduler config
     karras: bool | None = None  # the job's; None: the model's scheduler config
 
@@ -204,7 +204,8 @@ class Engine:
             raise JobError("scheduler", scheduler, f"a {family.name} model runs {', '.join(family.schedulers)}")
         check_sampler(scheduler, spec.timestep_spacing, spec.karras)
         return ShapeKey(spec.width or native, spec.height or native, spec.steps, scheduler,
-                        guided=spec.guidance_scale > 1, timestep_spacing=spec.timestep_spacing, karras=spec.karras)
+                        guided=family.classifier_free and spec.guidance_scale > 1,
+                        timestep_spacing=spec.timestep_spacing, karras=spec.karras)
 
     def plan(self, specs: Sequence[JobSpec]) -> list[tuple[ShapeKey, list[int]]]:
         """Group job indices by shape key (first-seen order) and cut them into batches."""

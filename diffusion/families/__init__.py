@@ -18,7 +18,7 @@ import importlib.metadata
 from collections.abc import Mapping
 from typing import Any
 
-from diffusion.families import sd, sdxl
+from diffusion.families import flux, sd, sdxl
 from diffusion.family import Family
 from renderfarm.jobs import JobError
 
@@ -46,7 +46,7 @@ def _by_name(families: list[Family]) -> dict[str, Family]:
     return named
 
 
-FAMILIES: dict[str, Family] = _by_name([sd.FAMILY, sdxl.FAMILY, *_installed()])
+FAMILIES: dict[str, Family] = _by_name([sd.FAMILY, sdxl.FAMILY, flux.FAMILY, *_installed()])
 
 
 def detect(ref: str, model_index: Mapping[str, Any]) -> Family:

@@ -15,7 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-PARTS = ("pipelines", "tokenizer", "schedulers", "nn", "weights", "samplers", "single_file", "lora", "flux")
+PARTS = ("pipelines", "tokenizer", "schedulers", "nn", "weights", "samplers", "single_file", "lora", "flux",
+         "t5_tokenizer")
 
 
 def main(argv: list[str]) -> int:
