@@ -56,6 +56,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -469,7 +470,7 @@ def memory_arithmetic(plans: dict[str, dict[str, Any]], batches: tuple[int, ...]
 
     from diffusion.families import FAMILIES
     from diffusion.family import Networks
-    from diffusion.generate import Inputs, Static
+    from diffusion.generate import Static
     from diffusion.nn.attention import use_kernel
     from diffusion.schedulers import make
 
@@ -486,11 +487,9 @@ def memory_arithmetic(plans: dict[str, dict[str, Any]], batches: tuple[int, ...]
         scheduler = make(SCHEDULER, plan["scheduler"])
         static = Static(plan["size"], plan["size"], plan["steps"], True)
         temps = {}
+        lengths = [types.SimpleNamespace(max_length=77) for _ in family.tokenizers]  # CLIP's 77 positions each
         for batch in batches:
-            ids = (batch, len(family.tokenizers), 77)
-            inputs = Inputs(jax.ShapeDtypeStruct(ids, jnp.int32), jax.ShapeDtypeStruct(ids, jnp.int32),
-                            jax.ShapeDtypeStruct((batch,), jnp.bool_), jax.ShapeDtypeStruct((batch, 2), jnp.uint32),
-                            jax.ShapeDtypeStruct((batch,), jnp.float32))
+            inputs = family.abstract_inputs(lengths, batch)
             started = time.perf_counter()
             program = functools.partial(family.generate, networks, scheduler, static)
             with use_kernel("chunked"):

@@ -97,10 +97,10 @@ def text_encoders(encoders: list[tuple[dict[str, Any], bool]]) -> float:
     return total
 
 
-def vae_decode(size: int) -> float:
-    vae = AutoencoderKL(VAEConfig.from_dict({**VAE, "sample_size": size}))
+def vae_decode(size: int, config: dict[str, Any] = VAE) -> float:
+    vae = AutoencoderKL(VAEConfig.from_dict({**config, "sample_size": size}))
     params = jax.eval_shape(vae.init_params, KEY)
-    latents = jax.ShapeDtypeStruct((1, 4, size // 8, size // 8), jnp.float32)
+    latents = jax.ShapeDtypeStruct((1, vae.config.latent_channels, size // 8, size // 8), jnp.float32)
     flops = program_flops(jax.jit(lambda p, z: vae.apply({"params": p}, z, method=vae.decode))
                           .lower(params, latents))
     assert flops is not None

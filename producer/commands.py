@@ -91,7 +91,8 @@ def cmd_campaign_validate(args: argparse.Namespace) -> int:
     print(f"campaign {spec.name}: {scan.rows} rows from {spec.source}, {scan.jobs} jobs "
           f"({spec.images_per_prompt} per row), seeds {spec.base_seed}.."
           f"{spec.base_seed + max(scan.rows * spec.images_per_prompt - 1, 0)}, output {spec.output}")
-    print("shapes (model, width, height, steps, scheduler, guidance; a worker compiles a program for each):")
+    print("shapes (model, width, height, steps, scheduler, guidance; a worker compiles a program for each, "
+          "one for both guidance rows of a guidance-distilled model such as Flux):")
     for (model, width, height, steps, sampler, guided), jobs in scan.shapes.most_common():
         print(f"  {model} {width or 'default'}x{height or 'default'} {steps} steps "
               f"{sampler}{'' if guided else ' cfg-free'}: {jobs} jobs")
