@@ -54,7 +54,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from diffusion.convert import WeightsError, count, few
-from diffusion.weights import PICKLE_SUFFIXES, ST_DTYPES, TensorInfo, read_header, read_tensor
+from diffusion.weights import FLOAT_DTYPES, PICKLE_SUFFIXES, ST_DTYPES, TensorInfo, read_header, read_tensor
 from renderfarm.jobs import JobError, shown
 
 Shape = tuple[int, ...]
@@ -345,7 +345,7 @@ def _module(path: Path, data: mmap.mmap, tensors: Mapping[str, TensorInfo], comp
     for key in (roles[role] for role in ("down", "up")):
         if ST_DTYPES[tensors[key].dtype].numpy is None:
             raise WeightsError(path, f"tensor {shown(key)} has dtype {tensors[key].dtype}; LoRA factors must be "
-                                     "F32, F16, BF16 or F64")
+                                     f"one of {FLOAT_DTYPES}")
     down, up = (read_tensor(data, tensors[roles[role]], None, np.dtype(np.float32)) for role in ("down", "up"))
     key = roles["down"]
     if not (down.ndim == up.ndim and down.ndim in (2, 4) and up.shape[1:2] == down.shape[:1] and down.shape[0] > 0

@@ -65,7 +65,8 @@ from renderfarm.jobs import SCHEDULERS, JobError, Lora, check_variant
 DTYPES = {name: jnp.dtype(name) for name in JOB_DTYPES}
 DIGESTS = "sha256.json"  # in the model cache: diffusion/digests.py
 # A single file's default base, by the family its tensors show: configs and tokenizers only.
-STANDARD_BASES = {"sd1": "stable-diffusion-v1-5/stable-diffusion-v1-5", "sd2": "stabilityai/stable-diffusion-2-1",
+STANDARD_BASES = {"flux-schnell": "black-forest-labs/FLUX.1-schnell", "flux-dev": "black-forest-labs/FLUX.1-dev",
+                  "sd1": "stable-diffusion-v1-5/stable-diffusion-v1-5", "sd2": "stabilityai/stable-diffusion-2-1",
                   "sdxl": "stabilityai/stable-diffusion-xl-base-1.0"}
 # What a hub snapshot needs: configs, tokenizer files and weights; never a pickle.
 HUB_CONFIGS = ["*.json", "*.txt"]
@@ -196,18 +197,25 @@ def _fetch_bucket_folder(url: str) -> Path:
     return target
 
 
-def hub_patterns(variant: str | None) -> list[str]:
+def hub_patterns(variant: str | None, components: Sequence[str] | None = None) -> list[str]:
     """What to fetch of a hub repo: configs, tokenizer files, and the weights of `variant`
-    (safetensors, sharded or not; Flax msgpack when no variant is asked for), nothing else:
-    a repo often holds every format and variant of the same weights, and pickles."""
+    (safetensors, sharded or not; Flax msgpack when no variant is asked for), of `components`
+    only when they are named, nothing else: a repo often holds every format and variant of the
+    same weights, and pickles."""
     if variant is None:
-        return [*HUB_CONFIGS, "*model.safetensors", "*model-*-of-*.safetensors", "*.msgpack"]
-    return [*HUB_CONFIGS, f"*.{variant}.safetensors", f"*.{variant}-*-of-*.safetensors"]
+        weights = ["*model.safetensors", "*model-*-of-*.safetensors", "*.msgpack"]
+    else:
+        weights = [f"*.{variant}.safetensors", f"*.{variant}-*-of-*.safetensors"]
+    if components is not None:
+        weights = [f"{component}/{pattern}" for component in components for pattern in weights]
+    return [*HUB_CONFIGS, *weights]
 
 
-def resolve(ref: str, variant: str | None = None, weights: bool = True) -> tuple[Path, str | None]:
+def resolve(ref: str, variant: str | None = None, weights: bool | Sequence[str] = True) -> tuple[Path, str | None]:
     """Any model reference -> (local diffusers folder, revision or None); from the hub, only
-    its configs and tokenizer files when `weights` is False (a single file's base)."""
+    its configs and tokenizer files when `weights` is False, and only the named components'
+    weights when it lists them (a single file's base: what the file does not hold; Flux's
+    transformer alone is 24 GB)."""
     if ref.startswith("gs://"):
         return _fetch_bucket_folder(ref), None
     local = Path(ref.removeprefix("file://")).expanduser()
@@ -217,7 +225,7 @@ def resolve(ref: str, variant: str | None = None, weights: bool = True) -> tuple
 
     repo, revision = split_ref(ref)
     try:  # huggingface_hub shows a progress bar per file while it downloads
-        patterns = hub_patterns(variant) if weights else HUB_CONFIGS
+        patterns = hub_patterns(variant, None if weights is True else list(weights or ()))
         folder = Path(snapshot_download(repo, revision=revision, allow_patterns=patterns))
     except Exception as err:  # the hub client raises many types; the user needs the reason
         raise JobError("model", ref, f"could not be resolved on the hub or its cache ({err})") from err
@@ -394,7 +402,8 @@ def _single_file(ref: str, variant: str | None, base: str | None, weights: list[
                  ) -> tuple[Path, str | None, Family, dict[str, dict[str, TensorInfo]]]:
     """A single-file checkpoint: its family from its tensors, the base pipeline's configs and
     tokenizers (the family's standard one by default), each component's tensors from the file
-    and, for components the file does not hold (a UNet saved alone), from the base's weights."""
+    and, for components the file does not hold (a UNet or a Flux transformer saved alone), from the
+    base's weights."""
     if variant is not None:
         raise JobError("variant", variant, "a single-file checkpoint has no variants")
     path, revision = resolve_file(ref, "model")
@@ -410,7 +419,7 @@ def _single_file(ref: str, variant: str | None, base: str | None, weights: list[
     sources = dict(single.components)
     missing = [name for name in family.components if name not in sources]
     if missing:
-        folder, _ = resolve(base_ref)
+        folder, _ = resolve(base_ref, weights=missing)
         sources |= _folder_weights(folder, missing, None, weights)
     return folder, revision, family, sources
 

@@ -23,6 +23,13 @@ likely a misnamed or broken file than a model.
 
 A UNet saved alone in diffusers' own names (SDXL-Lightning's `*_unet.safetensors`) is a single
 file too: its other components come from the base.
+
+So is a Flux transformer in Black Forest Labs' names (`flux1-schnell.safetensors`,
+`flux1-dev.safetensors`; bare, or under ComfyUI's `model.diffusion_model.`): the transformer
+alone, placed by diffusion/bfl.py's row ranges. A fused projection's parts are contiguous rows,
+so views again; the final modulation's two halves are swapped (TensorInfo.rolled). A guidance
+embedding makes it dev (diffusers' infer_diffusers_model_type's "flux-dev"), else schnell;
+every tensor must be one of the base transformer's, or the load stops naming it.
 """
 
 from __future__ import annotations
@@ -33,7 +40,9 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
+from diffusion import bfl
 from diffusion.convert import WeightsError, count, few
+from diffusion.nn.flux import FluxConfig
 from diffusion.weights import PICKLE_SUFFIXES, TensorInfo, read_header
 from renderfarm.jobs import shown
 
@@ -49,6 +58,11 @@ TEXT_ENCODERS = {
 # What marks each family's file: the prefix of its (second) text encoder; a file has one of them.
 FAMILY_MARKERS = (("sdxl", "conditioner.embedders.1.model."), ("sd2", "cond_stage_model.model."),
                   ("sd1", "cond_stage_model.transformer."))
+# What marks a Flux transformer in BFL's names, and BFL's dev (its guidance embedding); ComfyUI
+# files hold it under the UNet's prefix.
+BFL_MARKER, BFL_GUIDANCE = "double_blocks.0.img_attn.qkv.weight", "guidance_in.in_layer.weight"
+# A file's family -> the family (diffusion/families) of the pipelines that can be its base.
+PIPELINE_FAMILIES = {"sd1": "sd", "sd2": "sd", "sdxl": "sdxl", "flux-schnell": "flux", "flux-dev": "flux"}
 _TEXT = r"(cond_stage_model|conditioner\.embedders\.\d+)\."
 # Tensors real files carry that no component takes, and why each is left out.
 IGNORED = (
@@ -89,8 +103,8 @@ class SingleFile:
     each other tensor of the file was left out."""
 
     path: Path
-    family: str  # sd1, sd2 or sdxl
-    components: dict[str, dict[str, TensorInfo]]  # unet, vae, text_encoder[, text_encoder_2]
+    family: str  # sd1, sd2, sdxl, flux-schnell or flux-dev
+    components: dict[str, dict[str, TensorInfo]]  # unet, vae, text_encoder[, text_encoder_2]; or transformer
     ignored: dict[str, str]  # the file's tensor name -> why it was left out
 
 
@@ -98,8 +112,9 @@ def read_single_file(path: Path, configs: Mapping[str, Mapping[str, Any]] | None
     """Read the header of a single-file checkpoint and place every tensor. `configs` are the
     base pipeline's component configs, as in its `<component>/config.json`: the placing
     depends on them (`unet`: layers_per_block and its embeddings; `vae`: its block counts;
-    each OpenCLIP text encoder: num_hidden_layers). Without them only the family is found
-    (`components` and `ignored` are then empty), which is what choosing the base needs.
+    each OpenCLIP text encoder: num_hidden_layers; Flux's `transformer`: its sizes). Without
+    them only the family is found (`components` and `ignored` are then empty), which is what
+    choosing the base needs.
     Raises WeightsError for a pickle file (never opened), a family it cannot tell, a tensor
     no rule places or ignores, or two tensors placed on one name."""
     path = Path(path)
@@ -112,6 +127,8 @@ def read_single_file(path: Path, configs: Mapping[str, Mapping[str, Any]] | None
         return SingleFile(path, family, {}, {})
     if "conv_in.weight" in tensors:  # a diffusers UNet saved alone: already diffusers' names
         return SingleFile(path, family, {"unet": dict(tensors)}, {})
+    if family.startswith("flux"):
+        return SingleFile(path, family, {"transformer": _bfl_transformer(path, family, tensors, configs)}, {})
     rules = _Rules.of(path, family, configs)
     components: dict[str, dict[str, TensorInfo]] = {}
     sources: dict[tuple[str, str], str] = {}
@@ -141,11 +158,15 @@ def read_single_file(path: Path, configs: Mapping[str, Mapping[str, Any]] | None
 def detect_family(path: Path, names: Collection[str] | Mapping[str, TensorInfo]) -> str:
     """sd1, sd2 or sdxl, from the prefix of the text encoder(s) the file holds (or, for a
     diffusers UNet alone, its added embedding and the width of its text conditioning, as
-    diffusers' infer_diffusers_model_type tells SD 2.x by attn2.to_k's 1024 columns)."""
-    found = [(family, prefix) for family, prefix in FAMILY_MARKERS if any(n.startswith(prefix) for n in names)]
+    diffusers' infer_diffusers_model_type tells SD 2.x by attn2.to_k's 1024 columns); or
+    flux-dev or flux-schnell, a Flux transformer in BFL's names with a guidance embedding or not."""
+    found = [(family, f"{prefix}*") for family, prefix in FAMILY_MARKERS if any(n.startswith(prefix) for n in names)]
+    bare = {name.removeprefix(UNET) for name in names if name.endswith((BFL_MARKER, BFL_GUIDANCE))}
+    if BFL_MARKER in bare:
+        found.append(("flux-dev" if BFL_GUIDANCE in bare else "flux-schnell", BFL_MARKER))
     if len(found) > 1:
-        raise WeightsError(path.parent, f"{path.name} holds the text encoders of several families: "
-                                        + ", ".join(f"{family} ({prefix}*)" for family, prefix in found))
+        raise WeightsError(path.parent, f"{path.name} holds the text encoders or transformers of several families: "
+                                        + ", ".join(f"{family} ({marker})" for family, marker in found))
     if found:
         return found[0][0]
     if "conv_in.weight" in names and "time_embedding.linear_1.weight" in names and isinstance(names, Mapping):
@@ -153,15 +174,18 @@ def detect_family(path: Path, names: Collection[str] | Mapping[str, TensorInfo])
             return "sdxl"
         context = [info.shape[-1] for key, info in names.items() if key.endswith("attn2.to_k.weight")]
         return "sd2" if context and context[0] == 1024 else "sd1"
-    raise WeightsError(path.parent, f"{path.name} is not a Stable Diffusion checkpoint whose family could be "
-                                    "detected: looked for the text encoders of SDXL (conditioner.embedders.1.model.*), "
-                                    "SD 2.x (cond_stage_model.model.*) or SD 1.x (cond_stage_model.transformer.*), "
-                                    "or a diffusers UNet (conv_in.weight, time_embedding.linear_1.weight)")
+    raise WeightsError(path.parent, f"{path.name} is not a Stable Diffusion or Flux checkpoint whose family could "
+                                    "be detected: looked for the text encoders of SDXL "
+                                    "(conditioner.embedders.1.model.*), SD 2.x (cond_stage_model.model.*) or SD 1.x "
+                                    "(cond_stage_model.transformer.*), "
+                                    "or a diffusers UNet (conv_in.weight, time_embedding.linear_1.weight), "
+                                    f"or a Flux transformer in Black Forest Labs' names ({BFL_MARKER}, bare or under "
+                                    f"{UNET})")
 
 
 def check_family(single: SingleFile, family: str, where: str) -> None:
     """Refuse a base of another family than the file's (its configs would not fit)."""
-    expected = "sdxl" if single.family == "sdxl" else "sd"
+    expected = PIPELINE_FAMILIES[single.family]
     if family != expected:
         raise WeightsError(single.path.parent, f"{single.path.name} holds {single.family} weights, but the base "
                                                f"{where} is a {family} pipeline")
@@ -318,3 +342,60 @@ def _openclip(rules: _Rules, component: str, name: str, prefix: str, info: Tenso
     shape = (info.shape[0] // 3, *info.shape[1:])
     return [(component, f"{at}.self_attn.{part}_proj.{leaf}",
              info._replace(shape=shape, start=info.start + k * third, nbytes=third)) for k, part in enumerate("qkv")]
+
+
+def _bfl_transformer(path: Path, family: str, tensors: Mapping[str, TensorInfo],
+                     configs: Mapping[str, Mapping[str, Any]]) -> dict[str, TensorInfo]:
+    """A Flux transformer in BFL's names -> its tensors in diffusers' names, as views of the file's
+    rows (diffusion/bfl.py). Refuses a tensor the base's transformer has no place for, a tensor
+    of the wrong height, one placed twice and one missing, each named as the file names it."""
+    if "transformer" not in configs:
+        raise WeightsError(path.parent, f"{path.name} holds {family} weights, but the base has no "
+                                        "transformer/config.json (is the base a Flux pipeline?)")
+    try:
+        config = FluxConfig.from_dict(configs["transformer"])
+    except (ValueError, TypeError) as err:
+        raise WeightsError(path.parent, f"the base's transformer/config.json: {err}") from None
+    dev = family == "flux-dev"
+    if dev != config.guidance_embeds:
+        raise WeightsError(path.parent, f"{path.name} holds {family} weights ({'a' if dev else 'no'} guidance "
+                                        f"embedding, {BFL_GUIDANCE}), but the base's transformer has guidance_embeds="
+                                        f"{str(config.guidance_embeds).lower()}: use a FLUX.1-{family[5:]} base")
+    placed: dict[str, TensorInfo] = {}
+    sources: dict[str, str] = {}
+    homeless, why = [], ""
+    for name, info in tensors.items():
+        bare = name.removeprefix(UNET)
+        try:
+            rows = bfl.diffusers_tensors(bare, config)
+        except KeyError as err:
+            homeless.append(name)
+            why = why or err.args[0]
+            continue
+        height = sum(end - first for _, first, end in rows)
+        if not info.shape or info.shape[0] != height:
+            raise WeightsError(path.parent, f"{path.name}: tensor {shown(name)} has shape {list(info.shape)}: the "
+                                            f"base's transformer takes {height} rows of it")
+        if bare in sources:
+            raise WeightsError(path.parent, f"{path.name}: tensors {shown(sources[bare])} and {shown(name)} are "
+                                            f"both the transformer's {bare}: one of them is misnamed")
+        sources[bare] = name
+        for key in dict.fromkeys(key for key, _, _ in rows):
+            placed[key] = _rows(info, [(first, end) for k, first, end in rows if k == key])
+    if homeless:
+        raise WeightsError(path.parent, f"{path.name}: {count(len(homeless), 'tensor')} with no place in the base's "
+                                        f"transformer: {few(homeless)} (e.g. {why})")
+    missing = [name for name in bfl.bfl_tensors(config) if name not in sources]
+    if missing:
+        raise WeightsError(path.parent, f"{path.name}: {count(len(missing), 'tensor')} of the base's transformer "
+                                        f"missing, in Black Forest Labs' names: {few(missing)}")
+    return placed
+
+
+def _rows(info: TensorInfo, ranges: list[tuple[int, int]]) -> TensorInfo:
+    """Rows [first, end) of a tensor, the ranges in order, as one view: consecutive rows, rolled
+    when the ranges come rotated (the final modulation's halves, swapped)."""
+    row = info.nbytes // info.shape[0]
+    low, high = min(first for first, _ in ranges), max(end for _, end in ranges)
+    return info._replace(shape=(high - low, *info.shape[1:]), start=info.start + low * row,
+                         nbytes=(high - low) * row, rolled=ranges[0][0] - low)

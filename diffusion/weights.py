@@ -14,7 +14,8 @@ the file formats are read by this module's own small code and checked before the
   stored (F16, BF16, F32) and is permuted and cast there by one program, compiled from the shapes
   alone while the files are read. On CPU devices (which are the host) the reading threads permute
   and cast with numpy instead (`convert_on_device`). Either way the parameters equal the host
-  path's bit for bit; a tensor with a LoRA delta, or stored as F64, is made on the host as before.
+  path's bit for bit; a tensor with a LoRA delta, or stored as F64 or float8 (F8_E4M3, F8_E5M2:
+  upcast exactly, as torch's `.float()`), is made on the host as before.
 - sharded safetensors: `*.safetensors.index.json` (`weight_map`: tensor -> shard file) + shards.
 - variants (`*.fp16.safetensors`, `*.safetensors.index.bf16.json`, ...), named as diffusers and
   transformers name them.
@@ -64,19 +65,23 @@ class _Dtype(NamedTuple):
     numpy: np.dtype | None  # None: valid in a header, but not a weight we load
 
 
-# Every dtype of the safetensors format with a whole number of bytes per element.
+# Every dtype of the safetensors format with a whole number of bytes per element. The float8 ones
+# (torch's float8_e4m3fn and float8_e5m2, as float8 checkpoints store their weights) are upcast
+# exactly at load, by ml_dtypes, like any other dtype to the load's.
 ST_DTYPES = {
     "F64": _Dtype(8, np.dtype("<f8")), "F32": _Dtype(4, np.dtype("<f4")),
     "F16": _Dtype(2, np.dtype("<f2")), "BF16": _Dtype(2, np.dtype(ml_dtypes.bfloat16)),
+    "F8_E4M3": _Dtype(1, np.dtype(ml_dtypes.float8_e4m3fn)), "F8_E5M2": _Dtype(1, np.dtype(ml_dtypes.float8_e5m2)),
     **{name: _Dtype(size, None) for name, size in (
-        ("I64", 8), ("U64", 8), ("I32", 4), ("U32", 4), ("I16", 2), ("U16", 2),
-        ("I8", 1), ("U8", 1), ("BOOL", 1), ("F8_E4M3", 1), ("F8_E5M2", 1),
+        ("I64", 8), ("U64", 8), ("I32", 4), ("U32", 4), ("I16", 2), ("U16", 2), ("I8", 1), ("U8", 1), ("BOOL", 1),
     )},
 }
 _FLOATS = frozenset(d.numpy for d in ST_DTYPES.values() if d.numpy is not None)
+FLOAT_DTYPES = ", ".join(name for name, d in ST_DTYPES.items() if d.numpy is not None)  # for errors
 # Loading to the devices: these dtypes are moved as stored and cast there (F64 is cast on the
-# host: a device without 64-bit floats would round twice); a group's size (one device_put and one
-# compiled conversion each); the threads that read files and those that compile the conversions.
+# host: a device without 64-bit floats would round twice; so is float8, by ml_dtypes: not every
+# accelerator takes float8 arrays); a group's size (one device_put and one compiled conversion
+# each); the threads that read files and those that compile the conversions.
 DEVICE_DTYPES = frozenset({"F32", "F16", "BF16"})
 GROUP_BYTES = 256 * 2**20
 GROUP_TENSORS = 128
@@ -96,6 +101,7 @@ class TensorInfo(NamedTuple):
     start: int  # absolute byte offset in the file
     nbytes: int
     transposed: bool = False  # the bytes hold the 2-D transpose of `shape` (diffusion/single_file.py)
+    rolled: int = 0  # the tensor's row i is the bytes' row (i + rolled) % rows (diffusion/single_file.py)
 
 
 def load_weights(folder: Path, component: str, kind: str, expected: Any, dtype: Any,
@@ -313,7 +319,7 @@ def _plan(where: Path, kind: str, tensors: Mapping[str, TensorInfo],
         info = tensors[name]
         if ST_DTYPES[info.dtype].numpy is None:
             raise WeightsError(where, f"{info.file.name}: tensor {shown(name)} has dtype {info.dtype}; "
-                                      "weights must be F32, F16, BF16 or F64")
+                                      f"weights must be one of {FLOAT_DTYPES}")
     return plan
 
 
@@ -339,9 +345,19 @@ def read_tensor(data: mmap.mmap, info: TensorInfo, axes: tuple[int, ...] | None,
 
 
 def _view(data: mmap.mmap, info: TensorInfo) -> np.ndarray:
-    """One tensor of an mmap in the model's shape, not copied."""
+    """One tensor of an mmap in the model's shape, not copied (but a rolled one)."""
     view = np.frombuffer(data, ST_DTYPES[info.dtype].numpy, math.prod(info.shape), info.start)
-    return view.reshape(info.shape[::-1]).T if info.transposed else view.reshape(info.shape)
+    return _as_model(view.reshape(_stored_shape(info)), info)
+
+
+def _stored_shape(info: TensorInfo) -> tuple[int, ...]:
+    return info.shape[::-1] if info.transposed else info.shape
+
+
+def _as_model(stored: np.ndarray, info: TensorInfo) -> np.ndarray:
+    """A tensor's stored array in the model's shape: transposed back, its rows rolled back (a copy)."""
+    array = stored.T if info.transposed else stored
+    return np.roll(array, -info.rolled, axis=0) if info.rolled else array
 
 
 def _made(view: np.ndarray, axes: tuple[int, ...] | None, target: np.dtype, delta: Delta | None = None) -> np.ndarray:
@@ -359,6 +375,7 @@ class _Move(NamedTuple):
     (with the stored shapes and dtypes) key its compiled conversion."""
 
     transposed: bool  # the stored array is the 2-D transpose of the tensor (TensorInfo.transposed)
+    rolled: int  # then its rows are rolled back by this many (TensorInfo.rolled)
     axes: tuple[int, ...] | None  # then numpy.transpose axes (convert.Target.axes)
 
 
@@ -385,11 +402,11 @@ def _place_safetensors(where: Path, kind: str, tensors: Mapping[str, TensorInfo]
     of threads (preads of the raw bytes into arrays of the stored dtype and layout), the next
     group read while this one goes to the devices in one device_put and is permuted and cast
     there in one compiled call (each group's program compiled on other threads meanwhile, from
-    the shapes alone). A tensor with a delta, or stored as F64, is made on the host exactly as
+    the shapes alone). A tensor with a delta, or not in DEVICE_DTYPES, is made on the host exactly as
     `_read_safetensors` makes it (`_made`), and so is every tensor when not `convert_on_device`."""
     plan = _plan(where, kind, tensors, wanted)
     on_device = convert_on_device(sharding)
-    moves = {name: _Move(tensors[name].transposed, plan[name].axes) for name in plan
+    moves = {name: _Move(tensors[name].transposed, tensors[name].rolled, plan[name].axes) for name in plan
              if on_device and name not in deltas and tensors[name].dtype in DEVICE_DTYPES}  # the rest: on the host
     groups = list(_groups(sorted(plan, key=lambda name: (tensors[name].file, tensors[name].start)), tensors))
     flat: dict[tuple[str, ...], Any] = {target_.path: None for target_ in plan.values()}  # in plan order
@@ -404,7 +421,7 @@ def _place_safetensors(where: Path, kind: str, tensors: Mapping[str, TensorInfo]
             raw = _read_raw(where, files[tensors[name].file], name, tensors[name])
             if name in moves:
                 return raw
-            return _made(raw.T if tensors[name].transposed else raw, plan[name].axes, target, deltas.get(name))
+            return _made(_as_model(raw, tensors[name]), plan[name].axes, target, deltas.get(name))
 
         with concurrent.futures.ThreadPoolExecutor(READ_THREADS, "weights-read") as reader, \
                 concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, "weights-compile") as compiler:
@@ -451,8 +468,7 @@ def _groups(names: Sequence[str], tensors: Mapping[str, TensorInfo]) -> Iterator
 def _read_raw(where: Path, fd: int, name: str, info: TensorInfo) -> np.ndarray:
     """One tensor's bytes as stored (dtype, and the stored layout's shape), read with pread into a
     new array; its header was checked, and its shape matched to the model's, before."""
-    stored = info.shape[::-1] if info.transposed else info.shape
-    array = np.empty(stored, ST_DTYPES[info.dtype].numpy)
+    array = np.empty(_stored_shape(info), ST_DTYPES[info.dtype].numpy)
     buffer = memoryview(array.reshape(-1).view(np.uint8))
     done = 0
     while done < info.nbytes:
@@ -465,13 +481,13 @@ def _read_raw(where: Path, fd: int, name: str, info: TensorInfo) -> np.ndarray:
 
 
 def _needs_work(info: TensorInfo, move: _Move, target: np.dtype) -> bool:
-    return move.transposed or bool(move.axes) or ST_DTYPES[info.dtype].numpy != target
+    return move.transposed or bool(move.rolled) or bool(move.axes) or ST_DTYPES[info.dtype].numpy != target
 
 
 def _compile(infos: list[TensorInfo], moves: tuple[_Move, ...], target: np.dtype,
              sharding: jax.sharding.Sharding) -> Any:
     """The compiled conversion of a group's stored arrays (placed with `sharding`)."""
-    specs = [jax.ShapeDtypeStruct(info.shape[::-1] if info.transposed else info.shape, ST_DTYPES[info.dtype].numpy,
+    specs = [jax.ShapeDtypeStruct(_stored_shape(info), ST_DTYPES[info.dtype].numpy,
                                   sharding=sharding) for info in infos]
     return _converted.lower(specs, moves, np.dtype(target).name).compile()
 
@@ -482,6 +498,8 @@ def _converted(arrays: list[jax.Array], moves: tuple[_Move, ...], target: str) -
     for array, move in zip(arrays, moves, strict=True):
         if move.transposed:
             array = array.T
+        if move.rolled:
+            array = jnp.roll(array, -move.rolled, axis=0)
         if move.axes:
             array = jnp.transpose(array, move.axes)
         out.append(array.astype(target))

@@ -14,7 +14,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HOME"] = os.path.join(_SANDBOX, "hf")
 os.environ["RENDERFARM_MODEL_CACHE"] = os.path.join(_SANDBOX, "models")
-os.environ["RENDERFARM_COMPILE_CACHE"] = os.path.join(_SANDBOX, "jax-cache")
+# One compile cache for the whole run: `make test`'s processes inherit the path pytest-xdist's
+# controller chose before starting them, so a program one process compiled the other loads.
+os.environ.setdefault("RENDERFARM_TEST_COMPILE_CACHE", os.path.join(_SANDBOX, "jax-cache"))
+os.environ["RENDERFARM_COMPILE_CACHE"] = os.environ["RENDERFARM_TEST_COMPILE_CACHE"]
 
 from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -42,7 +45,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # family run in one, so each family's models load once (SDXL's and the others' side by side).
 FARM_FILES = ("test_farm.py", "test_promises.py", "test_campaigns.py", "test_metrics.py", "test_flower.py")
 ORACLE_FILES = ("test_reference.py", "test_engine.py", "test_single_file.py")
-FLUX_FILES = ("test_flux.py",)
+FLUX_FILES = ("test_flux.py", "test_flux_files.py")
 
 
 @pytest.hookimpl(optionalhook=True)

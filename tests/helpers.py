@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from flax.traverse_util import flatten_dict
 from PIL import Image
 
 from diffusion.models import LoadedModel, load_model
@@ -118,7 +119,7 @@ SAMPLER_BATCHES = sampler_jobs()
 def representable(job: dict[str, Any], model: LoadedModel) -> bool:
     """A job the contract can state. A job's empty negative prompt is PyTorch's `None`: SDXL
     then uses zeros (force_zeros_for_empty_prompt), where an explicit "" would be encoded."""
-    return not (job["negative_prompt"] == "" and model.family.name == "sdxl"
+    return not (job.get("negative_prompt") == "" and model.family.name == "sdxl"
                 and dict(model.networks.options).get("force_zeros_for_empty_prompt", False))
 
 
@@ -131,9 +132,10 @@ def loaded(folder: str, variant: str | None) -> tuple[LoadedModel, Engine]:
 
 
 def spec(model: LoadedModel, job: dict[str, Any]) -> JobSpec:
+    """A reference job for `model` (Flux's jobs name no negative prompt, scheduler or variant)."""
     return JobSpec(prompt=job["prompt"], model=model.ref, seed=job["seed"], steps=job["steps"],
-                   negative_prompt=job["negative_prompt"] or "", guidance_scale=job["guidance_scale"],
-                   width=job["width"], height=job["height"], scheduler=job["scheduler"], variant=job["variant"],
+                   negative_prompt=job.get("negative_prompt") or "", guidance_scale=job["guidance_scale"],
+                   width=job["width"], height=job["height"], scheduler=job.get("scheduler"), variant=job.get("variant"),
                    timestep_spacing=job.get("timestep_spacing"), karras=job.get("karras"), base=model.base,
                    loras=model.loras)
 
@@ -147,6 +149,27 @@ def max_diffs(engine: Engine, model: LoadedModel, jobs: list[dict[str, Any]], im
     return [int(np.abs(np.asarray(Image.open(images / job["image"]).convert("RGB"), np.int16)
                        - result.image.astype(np.int16)).max())
             for job, result in zip(jobs, rendered)]
+
+
+def same_params(a: LoadedModel, b: LoadedModel) -> None:
+    """The same parameters, bit for bit, component by component."""
+    assert a.params.keys() == b.params.keys()
+    for component in a.params:
+        flat_a, flat_b = flatten_dict(a.params[component]), flatten_dict(b.params[component])
+        assert flat_a.keys() == flat_b.keys(), component
+        for path in flat_a:
+            np.testing.assert_array_equal(flat_a[path], flat_b[path], err_msg=f"{component} {path}")
+
+
+def rendered_by_seed(out: Path) -> dict[int, np.ndarray]:
+    """The images `renderfarm render` wrote under `out`, by their job's seed (from the PNG's fields)."""
+    by_seed = {}
+    for path in out.glob("*.png"):
+        image = Image.open(path)
+        fields = [json.loads(text) for text in image.text.values() if text.startswith("{")]
+        if fields and "seed" in fields[0]:
+            by_seed[fields[0]["seed"]] = np.asarray(image.convert("RGB"))
+    return by_seed
 
 
 # --------------------------------------------------------------------------- stored results

@@ -24,6 +24,7 @@ from diffusion.family import Geometry
 from diffusion.models import LoadedModel, load_model
 from diffusion.tokenizer import T5Tokenizer
 from renderfarm.jobs import JobError, JobSpec, parse_job
+from tests.helpers import rendered_by_seed
 from worker.engine import Engine
 
 DATA = Path(__file__).parent / "data" / "flux"
@@ -108,12 +109,7 @@ def test_render_command_renders_diffusers_images(variant: str, tmp_path: Path) -
                            "--prompts", str(prompts), "--out", str(tmp_path / "out"), "--campaign", "flux",
                            "--quiet"], capture_output=True, text=True, env=os.environ, timeout=600)
     assert done.returncode == 0, done.stderr
-    by_seed = {}
-    for path in (tmp_path / "out" / "flux").glob("*.png"):
-        image = Image.open(path)
-        fields = [json.loads(text) for text in image.text.values() if text.startswith("{")]
-        if fields and "seed" in fields[0]:
-            by_seed[fields[0]["seed"]] = np.asarray(image.convert("RGB"))
+    by_seed = rendered_by_seed(tmp_path / "out" / "flux")
     difference = worst([by_seed[job["seed"]] for job in jobs], jobs)
     print(f"{variant}: renderfarm render max difference {difference}/255")
     assert difference <= TOLERANCE

@@ -115,28 +115,34 @@ def write_safetensors(path: Path, tensors: dict[str, tuple[str, np.ndarray]], ga
     path.write_bytes(len(raw).to_bytes(8, "little") + raw + b"".join(blobs))
 
 
-STORED = {"F16": np.float16, "BF16": ml_dtypes.bfloat16, "F32": np.float32, "F64": np.float64}
+STORED = {"F16": np.float16, "BF16": ml_dtypes.bfloat16, "F32": np.float32, "F64": np.float64,
+          "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
 
 
 def mixed_vae(tmp_path: Path, transposed: bool = True) -> tuple[dict[str, TensorInfo], Any]:
     """The sd1 VAE's tensors in every float dtype in turn, misaligned, some 2-D ones stored transposed
-    (as single files hold OpenCLIP's projection); with the model's expected tree."""
+    (as single files hold OpenCLIP's projection), some with their rows rolled (as Flux single files
+    hold the final modulation); with the model's expected tree."""
     folder = ORACLE / "sd1" / "model"
     state = load_file(str(folder / "vae" / "diffusion_pytorch_model.safetensors"))
     rng = np.random.default_rng(0)
-    tensors, flipped = {}, set()
+    tensors, flipped, rolled = {}, set(), set()
     for i, (name, array) in enumerate(sorted(state.items())):
         dtype = list(STORED)[i % len(STORED)]
         array = (array + rng.standard_normal(array.shape) * 1e-3).astype(STORED[dtype])  # not the fp32 values
         if transposed and array.ndim == 2 and len(flipped) < 3:
             flipped.add(name)
             array = array.T
+        elif transposed and array.ndim == 1 and array.shape[0] > 2 and len(rolled) < 3:
+            rolled.add(name)
+            array = np.roll(array, 1, axis=0)
         tensors[name] = (dtype, array)
     write_safetensors(tmp_path / "vae.safetensors", tensors, gap=3)
     infos = read_header(tmp_path / "vae.safetensors")
     assert bool(flipped) == transposed and {info.dtype for info in infos.values()} == set(STORED)
     infos = {name: info._replace(shape=info.shape[::-1], transposed=True) if name in flipped else info
              for name, info in infos.items()}
+    infos = {name: info._replace(rolled=1) if name in rolled else info for name, info in infos.items()}
     return infos, expected_tree(folder, "vae")
 
 
@@ -149,7 +155,7 @@ def expected_tree(folder: Path, component: str, dtype: str = "float32") -> Any:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_mixed_misaligned_and_transposed_tensors_load_as_on_the_host(tmp_path: Path, dtype: str, mode: str,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """F16, BF16, F32 and F64 (F64 is cast on the host: a device would round it twice) in one file,
+    """F16, BF16, F32, F64 and float8 (F64 and float8 are cast on the host) in one file,
     none aligned, in groups small enough that there are many (one device_put and program each)."""
     infos, expected = mixed_vae(tmp_path)
     host = load_tensors(tmp_path, "vae", infos, expected, dtype)
@@ -192,7 +198,8 @@ def test_shapes_and_dtypes_are_checked_before_any_data_is_read(tmp_path: Path, m
     with pytest.raises(WeightsError, match=f"1 tensor with the wrong shape: {name}"):
         load_tensors(tmp_path, "vae", wrong, expected, "float32", sharding=replicated())
     integer = {**infos, name: infos[name]._replace(dtype="I32")}
-    with pytest.raises(WeightsError, match=f"tensor '{name}' has dtype I32; weights must be F32, F16, BF16 or F64"):
+    with pytest.raises(WeightsError, match=f"tensor '{name}' has dtype I32; weights must be one of F64, F32, F16, "
+                                           "BF16, F8_E4M3, F8_E5M2"):
         load_tensors(tmp_path, "vae", integer, expected, "float32", sharding=replicated())
 
 

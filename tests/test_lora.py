@@ -336,7 +336,8 @@ def test_a_pickle_is_refused_without_being_opened(tmp_path: Path, suffix: str) -
     (lambda t: {**t, "lora_unet_conv_in.alpha": np.array(True)},
      r"'lora_unet_conv_in\.alpha' has dtype BOOL; an alpha must be an integer or float number \(F64, .*, U64\)"),
     (lambda t: {**t, "lora_unet_conv_in.lora_up.weight": t["lora_unet_conv_in.lora_up.weight"].astype(np.int32)},
-     r"'lora_unet_conv_in\.lora_up\.weight' has dtype I32; LoRA factors must be F32, F16, BF16 or F64"),
+     r"'lora_unet_conv_in\.lora_up\.weight' has dtype I32; LoRA factors must be one of F64, F32, F16, BF16, "
+     r"F8_E4M3, F8_E5M2"),
 ])
 def test_a_broken_kohya_file_is_refused(tmp_path: Path, change, rule: str) -> None:
     with pytest.raises(WeightsError, match=rule):

@@ -149,8 +149,8 @@ def test_the_hub_gives_configs_tokenizer_files_and_the_asked_weights_only() -> N
             "unet/diffusion_pytorch_model.fp16-00001-of-00002.safetensors", "vae/diffusion_flax_model.msgpack",
             "sd_xl_base_1.0.safetensors", "sd_xl_base_1.0.ckpt", "README.md", "images/example.png"]
 
-    def fetched(variant: str | None) -> set[str]:
-        return {name for name in repo if any(fnmatch(name, pattern) for pattern in hub_patterns(variant))}
+    def fetched(variant: str | None, components: list[str] | None = None) -> set[str]:
+        return {name for name in repo if any(fnmatch(name, pattern) for pattern in hub_patterns(variant, components))}
 
     configs = {name for name in repo if name.endswith((".json", ".txt"))}
     assert fetched(None) == configs | {
@@ -159,6 +159,11 @@ def test_the_hub_gives_configs_tokenizer_files_and_the_asked_weights_only() -> N
     assert fetched("fp16") == configs | {
         "text_encoder/model.fp16.safetensors", "unet/diffusion_pytorch_model.fp16.safetensors",
         "unet/diffusion_pytorch_model.fp16-00001-of-00002.safetensors"}
+    # a single file's base: the weights of the components the file does not hold, configs of all
+    assert fetched(None, ["text_encoder", "vae"]) == configs | {"text_encoder/model.safetensors",
+                                                                "text_encoder/flax_model.msgpack",
+                                                                "vae/diffusion_flax_model.msgpack"}
+    assert fetched(None, []) == configs
 
 
 def test_weights_digests_are_computed_once_per_file(tmp_path: Path) -> None:

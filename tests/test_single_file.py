@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from flax.traverse_util import flatten_dict
 from safetensors.numpy import load_file, save_file
 
 from diffusion.convert import WeightsError
@@ -21,7 +20,7 @@ from diffusion.models import LoadedModel, load_model
 from diffusion.single_file import SingleFile, read_single_file
 from diffusion.weights import ST_DTYPES, TensorInfo, read_header, read_tensor
 from renderfarm.jobs import JobError
-from tests.helpers import BATCHES, ORACLE, TOLERANCE, loaded, max_diffs
+from tests.helpers import BATCHES, ORACLE, TOLERANCE, loaded, max_diffs, same_params
 from worker.engine import Engine
 
 SINGLE = Path(__file__).parent / "data" / "single_file"
@@ -53,15 +52,6 @@ def read(info: TensorInfo) -> np.ndarray:
 
 def read_family(family: str, path: Path | None = None) -> SingleFile:
     return read_single_file(path or SINGLE / f"{family}.safetensors", configs(family))
-
-
-def same_params(a: LoadedModel, b: LoadedModel) -> None:
-    assert a.params.keys() == b.params.keys()
-    for component in a.params:
-        flat_a, flat_b = flatten_dict(a.params[component]), flatten_dict(b.params[component])
-        assert flat_a.keys() == flat_b.keys(), component
-        for path in flat_a:
-            np.testing.assert_array_equal(flat_a[path], flat_b[path], err_msg=f"{component} {path}")
 
 
 @pytest.fixture(scope="module")
@@ -282,16 +272,17 @@ def test_a_file_of_another_kind_is_refused_saying_what_was_looked_for(tmp_path: 
     lora = Path(__file__).parent / "data" / "lora" / "sd1" / "kohya.safetensors"
     for path in (random, lora):
         for with_configs in (None, configs("sd1")):
-            with pytest.raises(WeightsError, match=rf"{path.name} is not a Stable Diffusion checkpoint whose family "
-                                                   r"could be detected: looked for the text encoders of SDXL "
+            with pytest.raises(WeightsError, match=rf"{path.name} is not a Stable Diffusion or Flux checkpoint whose "
+                                                   r"family could be detected: looked for the text encoders of SDXL "
                                                    r"\(conditioner\.embedders\.1\.model\.\*\), SD 2\.x .* SD 1\.x "
                                                    r"\(cond_stage_model\.transformer\.\*\), or a diffusers UNet"):
                 read_single_file(path, with_configs)
-        with pytest.raises(JobError, match="is not a Stable Diffusion checkpoint"):
+        with pytest.raises(JobError, match="is not a Stable Diffusion or Flux checkpoint"):
             load_model(str(path), base=str(ORACLE / "sd1" / "model"))
     mixed = edited(tmp_path, add={"cond_stage_model.model.ln_final.weight": np.zeros(32, np.float32)})
-    with pytest.raises(WeightsError, match=r"edited.safetensors holds the text encoders of several families: "
-                                           r"sd2 \(cond_stage_model\.model\.\*\), sd1 \(cond_stage_model\.transformer\.\*\)$"):
+    with pytest.raises(WeightsError, match=r"edited.safetensors holds the text encoders or transformers of several "
+                                           r"families: sd2 \(cond_stage_model\.model\.\*\), "
+                                           r"sd1 \(cond_stage_model\.transformer\.\*\)$"):
         read_single_file(mixed)
 
 

@@ -394,8 +394,8 @@ def test_unloadable_dtype_named(tmp_path: Path) -> None:
     tensors = state_dict("unet_sd1")
     tensors["conv_in.bias"] = tensors["conv_in.bias"].astype(np.int32)
     component(tmp_path, tensors)
-    raises("tensor 'conv_in.bias' has dtype I32; weights must be F32, F16, BF16 or F64", tmp_path, "c", "unet",
-           expected("unet_sd1"), F32)
+    raises("tensor 'conv_in.bias' has dtype I32; weights must be one of F64, F32, F16, BF16, F8_E4M3, F8_E5M2",
+           tmp_path, "c", "unet", expected("unet_sd1"), F32)
 
 
 def test_shapes_checked_before_any_data_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

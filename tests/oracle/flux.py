@@ -198,6 +198,24 @@ def pipeline(variant: str, tokenizer: Any, tokenizer_2: T5Tokenizer) -> FluxPipe
                         tokenizer_2=tokenizer_2, transformer=transformer(variant == "dev", seed + 3))
 
 
+def jobs(variant: str) -> list[dict[str, Any]]:
+    """The variant's jobs with its recipe and their sizes (the last one at the second size)."""
+    last = len(JOBS[variant]) - 1
+    return [{**job, **RECIPES[variant], "width": SIZES[i == last][0], "height": SIZES[i == last][1]}
+            for i, job in enumerate(JOBS[variant])]
+
+
+def render(pipe: FluxPipeline, variant: str, job: dict[str, Any]) -> np.ndarray:
+    """One job through FluxPipeline, `latents=` the contract's latents packed: (height, width, 3) uint8."""
+    latents = pipelines.contract_latents(job["seed"], 16, job["width"], job["height"], pipe.vae_scale_factor)
+    packed = pipe._pack_latents(latents, 1, 16, *latents.shape[2:])
+    with torch.no_grad():
+        image = pipe(job["prompt"], num_inference_steps=job["steps"], guidance_scale=job["guidance_scale"],
+                     height=job["height"], width=job["width"], latents=packed, max_sequence_length=SEQUENCE[variant],
+                     output_type="np").images[0]
+    return (image * 255).round().astype(np.uint8)
+
+
 def write_pipelines(root: pathlib.Path) -> None:
     tokenizer_2 = t5_tokenizer(root / "t5_tokenizer")
     cases = [{"text": text, "max_length": length, "ids": tokenizer_2(text, padding="max_length", max_length=length,
@@ -215,16 +233,8 @@ def write_pipelines(root: pathlib.Path) -> None:
         shutil.copytree(root / "t5_tokenizer", folder / "tokenizer_2")
         pipe = FluxPipeline.from_pretrained(folder, torch_dtype=torch.float32)
         pipe.set_progress_bar_config(disable=True)
-        for i, job in enumerate(JOBS[variant]):
-            width, height = SIZES[i == len(JOBS[variant]) - 1]
-            job = {**job, **RECIPES[variant], "width": width, "height": height}
-            latents = pipelines.contract_latents(job["seed"], 16, width, height, pipe.vae_scale_factor)
-            packed = pipe._pack_latents(latents, 1, 16, *latents.shape[2:])
-            with torch.no_grad():
-                image = pipe(job["prompt"], num_inference_steps=job["steps"], guidance_scale=job["guidance_scale"],
-                             height=height, width=width, latents=packed, max_sequence_length=SEQUENCE[variant],
-                             output_type="np").images[0]
-            pipelines._save_png(root / variant / f"{i}.png", (image * 255).round().astype(np.uint8))
+        for i, job in enumerate(jobs(variant)):
+            pipelines._save_png(root / variant / f"{i}.png", render(pipe, variant, job))
             records.append({**job, "model": f"{variant}/model", "image": f"{variant}/{i}.png"})
     shutil.rmtree(root / "t5_tokenizer")
     (root / "jobs.json").write_text(json.dumps({"versions": pipelines.versions(), "jobs": records}, indent=1) + "\n",
