@@ -1,8 +1,9 @@
 """What a model family is: the components a pipeline folder holds, its tokenizers and the
 inputs it makes of a batch's jobs, the pipeline classes it answers to, how it generates, the
-image sizes it renders, what a denoiser call costs, and how a tiny random model of it is
-built. The loader, the engine and the device program use nothing else of a family: they
-pass its inputs along without looking inside. The families themselves are diffusion/families."""
+image sizes it renders, what a denoiser call costs, what its LoRAs may change, and how a tiny
+random model of it is built. The loader, the engine and the device program use nothing else
+of a family: they pass its inputs along without looking inside. The families themselves are
+diffusion/families."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any, Protocol
 import flax.linen as nn
 import numpy as np
 
+from diffusion.lora import LoraTargets
 from renderfarm.jobs import SCHEDULERS
 
 # The samplers of the DDPM training schedule (the UNet models'): all the contract's but flow_euler.
@@ -88,3 +90,6 @@ class Family:
     # beside the conditional one each step: its own programs, twice the denoiser's work); False
     # for guidance-distilled models, which take the scale as an input of their one pass
     classifier_free: bool = True
+    # the components a LoRA may change (the UNet and CLIP text encoders by default) and how kohya files
+    # name the denoiser's modules (diffusion/lora.py)
+    loras: LoraTargets = LoraTargets()

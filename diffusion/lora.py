@@ -1,6 +1,7 @@
 """LoRA files -> weight deltas keyed by diffusers' PyTorch tensor names, without torch and without unpickling.
 
-A LoRA changes a Linear or Conv2d weight W of the UNet or a text encoder by `scale * s * up @ down`, with
+A LoRA changes a Linear or Conv2d weight W of the denoiser (a UNet, a Flux transformer) or a CLIP text encoder
+by `scale * s * up @ down`, with
 s = alpha / rank (PEFT's `lora_alpha / r`; alpha / sqrt(rank) for rsLoRA) and `scale` the user's weight of
 the LoRA (diffusers' `fuse_lora(lora_scale=...)`). A conv LoRA (kohya's LoCon, PEFT's Conv2d) has down
 (rank, in, kh, kw) and up (out, rank, 1, 1) and changes the (out, in, kh, kw) kernel; a linear LoRA on a
@@ -8,9 +9,9 @@ the LoRA (diffusers' `fuse_lora(lora_scale=...)`). A conv LoRA (kohya's LoCon, P
 nothing more. Two safetensors layouts are in use:
 
 - diffusers / PEFT: `<component>.<module>.lora_A.weight` (down) and `.lora_B.weight` (up), component `unet`,
-  `text_encoder` or `text_encoder_2`; older diffusers files spell the pair `.lora.down.weight` /
-  `.lora.up.weight` or `.lora_linear_layer.down.weight` / `.up.weight`, or, for attention processors,
-  `<attention>.processor.to_q_lora.down.weight` (`to_q` in the UNet, `q_proj` in CLIP; `to_out` is `to_out.0`
+  `transformer` (Flux), `text_encoder` or `text_encoder_2`; older diffusers files spell the pair
+  `.lora.down.weight` / `.lora.up.weight` or `.lora_linear_layer.down.weight` / `.up.weight`, or, for attention
+  processors, `<attention>.processor.to_q_lora.down.weight` (`to_q` in the UNet, `q_proj` in CLIP; `to_out` is `to_out.0`
   / `out_proj`). Alpha is the LoraConfig diffusers saves in the header's `lora_adapter_metadata`
   (`lora_alpha`, `alpha_pattern`, `use_rslora`, as PEFT reads them), else a `<component>.<module>.alpha`
   tensor (as ComfyUI reads it), else the rank, as diffusers does. The rank is always the factors' own
@@ -22,13 +23,21 @@ nothing more. Two safetensors layouts are in use:
   `label_emb_0_0`, `time_embed_0`, `out_2`), mapped to diffusers' names from the block layout the model's own
   names show (diffusers' `_maybe_map_sgm_blocks_to_diffusers` does it from the UNet config). An underscore
   name cannot be split back (`to_q`, `down_blocks`), so it is matched against the model's module names
-  joined the same way.
+  joined the same way. `lora_unet_` names the denoiser whatever it is: Flux files name the transformer's
+  modules as Black Forest Labs' code does (`double_blocks_0_img_attn_qkv`, `single_blocks_3_linear1`,
+  `final_layer_adaLN_modulation_1`), and a fused module's delta splits by rows over diffusers' modules (qkv
+  over to_q, to_k and to_v; a single block's linear1 over to_q, to_k, to_v and proj_mlp; the final
+  modulation's (shift, scale) is diffusers' (scale, shift)) as diffusion/bfl.py says.
+
+Which components a family's LoRAs may change, and how kohya names its denoiser's modules, is the family's
+(`LoraTargets`, diffusion/family.py); `LoraFile.fit` is given it with the model's tensor shapes.
 
 Where diffusers 0.42 departs from the files' own meaning, the files win: a kohya module's alpha counts even
 when it differs from the file's most common alpha (diffusers loses such alphas of attention projections,
 and of every module of transformers 5's CLIPTextModel, to names no module matches, such as
 `...to_q_lora.down.weight.alpha`, and uses the common one; kohya's trainer, ComfyUI and A1111 use the
-module's), and a diffusers file's `.alpha` tensors count (diffusers refuses the file).
+module's), a Flux kohya file's alphas of `final_layer_*` count (diffusers leaves them unread: "TODO: alphas"),
+and a diffusers file's `.alpha` tensors count (diffusers refuses the file).
 
 CLIP modules match with or without the `text_model.` prefix (transformers 5 dropped it from CLIPTextModel,
 so diffusers' LoRAs of today lack it and older ones and kohya's have it). Nothing is trusted before it
@@ -47,7 +56,7 @@ import json
 import math
 import mmap
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -58,11 +67,13 @@ from diffusion.weights import FLOAT_DTYPES, PICKLE_SUFFIXES, ST_DTYPES, TensorIn
 from renderfarm.jobs import JobError, shown
 
 Shape = tuple[int, ...]
+Rows = Sequence[tuple[str, int, int]]  # (diffusers module, first row, end row) of a fused module's output
+Spans = tuple[tuple[int, int], ...]  # (first row, end row) ranges of a fused module's output, in order
 
-TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
 CLIP_PREFIX = "text_model."
 KOHYA_PREFIXES = {"lora_unet_": "unet", "lora_te_": "text_encoder", "lora_te1_": "text_encoder",
                   "lora_te2_": "text_encoder_2"}
+KOHYA_DENOISER = KOHYA_PREFIXES["lora_unet_"]  # kohya's name of every denoiser, a Flux transformer too
 _KOHYA_ROLES = {"lora_down.weight": "down", "lora_up.weight": "up", "alpha": "alpha"}
 _PEFT_ROLES = (  # key suffix -> role; `_lora.` is the attention-processor form (`to_q_lora.down.weight`)
     (".lora_A.weight", "down"), (".lora_B.weight", "up"),
@@ -96,6 +107,23 @@ _SGM_RESNET = {"conv1": "in_layers.2", "time_emb_proj": "emb_layers.1", "conv2":
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraTargets:
+    """What a family's LoRAs may change, by component name: its denoiser (which kohya files call `lora_unet_`
+    whatever it is) and its CLIP text encoders; and, where kohya files name the denoiser's modules otherwise
+    than diffusers' names joined with `_` (Flux: Black Forest Labs' names, whose fused layers split over
+    several diffusers modules), those names: (the denoiser's config) -> module, dotted -> where its output
+    rows go."""
+
+    denoiser: str = "unet"
+    text_encoders: tuple[str, ...] = ("text_encoder", "text_encoder_2")
+    kohya_modules: Callable[[Any], Mapping[str, Rows]] | None = None
+
+    @property
+    def components(self) -> tuple[str, ...]:
+        return (self.denoiser, *self.text_encoders)
+
+
+@dataclasses.dataclass(frozen=True)
 class LoraModule:
     """One adapted layer as the file has it: its factors (float32) and what scales them."""
 
@@ -123,27 +151,54 @@ class LoraModule:
             return 1.0
         return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
 
-    def fits(self, shape: Shape) -> bool:
-        """Whether the delta can change a weight of `shape`: the same, or a linear LoRA on a 1x1 conv."""
+    def fits(self, shape: Shape, rows: Spans | None = None) -> bool:
+        """Whether the delta (its output `rows` only, if given) can change a weight of `shape`: the same, or a
+        linear LoRA on a 1x1 conv."""
         shape = tuple(shape)
-        return shape == self.shape or (len(self.shape) == 2 and shape == (*self.shape, 1, 1))
+        want = self.shape if rows is None else (sum(end - first for first, end in rows), *self.shape[1:])
+        return shape == want or (len(want) == 2 and shape == (*want, 1, 1))
 
-    def delta(self, shape: Shape, scale: float) -> np.ndarray:
-        """`scale * scaling * up @ down` as a float32 array of the target weight's `shape`."""
+    def delta(self, shape: Shape, scale: float, rows: Spans | None = None) -> np.ndarray:
+        """`scale * scaling * up @ down` (of up's `rows` only, in their order, if given) as a float32 array of the
+        target weight's `shape`."""
         up = self.up.reshape(self.up.shape[0], self.rank)
+        if rows is not None:
+            up = np.concatenate([up[first:end] for first, end in rows])
         down = self.down.reshape(self.rank, -1)
         return (up @ down * np.float32(scale * self.scaling)).reshape(shape)
 
 
 class Patch(NamedTuple):
-    """A LoRA module placed on the model: the weight it changes and that weight's shape."""
+    """A LoRA module placed on the model: the weight it changes, that weight's shape and, where the module is
+    a fused one split over several weights, which of its output rows make this one."""
 
     module: LoraModule
     target: str  # the weight's diffusers PyTorch name, e.g. `down_blocks.1.attentions.0.proj_in.weight`
     shape: Shape
+    rows: Spans | None = None  # None: all
 
     def delta(self, scale: float) -> np.ndarray:
-        return self.module.delta(self.shape, _checked_scale(scale))
+        return self.module.delta(self.shape, _checked_scale(scale), self.rows)
+
+
+class _Fused(NamedTuple):
+    """A fused module of kohya's names: its name, its output rows' total, and each diffusers module's rows."""
+
+    name: str  # dotted, e.g. `double_blocks.0.img_attn.qkv`
+    rows: int
+    parts: dict[str, Spans]
+
+
+def _fused(table: Mapping[str, Rows]) -> dict[str, _Fused]:
+    """kohya's joined name (`double_blocks_0_img_attn_qkv`) -> the fused module; a diffusers module named more
+    than once takes its row ranges in the order listed."""
+    fused = {}
+    for name, rows in table.items():
+        parts: dict[str, Spans] = {}
+        for module, first, end in rows:
+            parts[module] = (*parts.get(module, ()), (first, end))
+        fused[name.replace(".", "_")] = _Fused(name, max(end for _, _, end in rows), parts)
+    return fused
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,49 +213,92 @@ class LoraFile:
     def components(self) -> frozenset[str]:
         return frozenset(module.component for module in self.modules)
 
-    def fit(self, components: Mapping[str, Mapping[str, Shape]]) -> dict[str, dict[str, Patch]]:
-        """Each module on its weight: component -> weight name -> Patch, from each component's diffusers
-        PyTorch tensor names -> shapes. Refuses (WeightsError naming the file and the keys) a LoRA with a
-        module the model does not have, or one whose delta has another shape: a LoRA of another model."""
-        touched = sorted(self.components & set(components))
-        indexes = {name: _index(name, components[name], self.format == "kohya") for name in touched}
+    def _home(self, module: LoraModule, targets: LoraTargets) -> str:
+        """The model component a module changes: kohya's `unet` is the family's denoiser."""
+        return targets.denoiser if self.format == "kohya" and module.component == KOHYA_DENOISER else module.component
+
+    def fit(self, components: Mapping[str, Mapping[str, Shape]], targets: LoraTargets = LoraTargets(),
+            denoiser_config: Any = None) -> dict[str, dict[str, Patch]]:
+        """Each module on its weight(s): component -> weight name -> Patch, from each component's diffusers
+        PyTorch tensor names -> shapes (of the components `targets` names; the others are not the LoRA's to
+        change). `denoiser_config` is the denoiser's config, read where kohya names its modules otherwise
+        (`targets.kohya_modules`). Refuses (WeightsError naming the file and the keys) a LoRA with a module the
+        model does not have, or one whose delta has another shape: a LoRA of another model."""
+        offered = {name: components[name] for name in targets.components if name in components}
+        homes = {module.key: self._home(module, targets) for module in self.modules}
+        touched = sorted(set(homes.values()) & set(offered))
+        fused = {}
+        if self.format == "kohya" and targets.kohya_modules is not None and targets.denoiser in touched:
+            fused = _fused(targets.kohya_modules(denoiser_config))
+        indexes = {name: _index(name, offered[name], self.format == "kohya", name in targets.text_encoders)
+                   for name in touched if not (fused and name == targets.denoiser)}
         placed: dict[str, dict[str, Patch]] = {name: {} for name in touched}
         problems = []
-        for component in sorted(self.components - set(components)):
-            keys = [module.key for module in self.modules if module.component == component]
-            problems.append(f"{count(len(keys), 'module')} for {component} ({few(keys)}), which the model does "
-                            f"not have (it has {', '.join(components)})")
+        for component in sorted(set(homes.values()) - set(offered)):
+            keys = [key for key, home in homes.items() if home == component]
+            problems.append(f"{count(len(keys), 'module')} for {component} ({few(keys)}), which is not a component "
+                            f"the model has and a LoRA may change (those are {', '.join(offered)})")
         misfits = []
-        for module in (module for module in self.modules if module.component in components):
-            index, shapes = indexes[module.component], components[module.component]
-            found = {index[name] for name in module.names if name in index}
-            if len(found) != 1 or None in found:
-                reason = "no such module" if not found else "names several modules"
-                misfits.append(f"{module.key} ({reason} in the model's {module.component})")
-                continue
-            target = f"{found.pop()}.weight"
-            shape = tuple(shapes[target])
-            if target in placed[module.component]:
-                other = placed[module.component][target].module.key
-                misfits.append(f"{module.key} ({target} is already changed by {other})")
-            elif not module.fits(shape):
-                misfits.append(f"{module.key} (makes a {list(module.shape)} delta, but "
-                               f"{module.component} {target} is {list(shape)})")
+        for module in (module for module in self.modules if homes[module.key] in offered):
+            component = homes[module.key]
+            shapes = offered[component]
+            if fused and component == targets.denoiser:
+                parts, reason = self._fused_parts(module, component, fused)
             else:
-                placed[module.component][target] = Patch(module, target, shape)
+                parts, reason = self._parts(module, component, indexes[component])
+            if reason:
+                misfits.append(f"{module.key} ({reason})")
+            for name, rows in parts.items():
+                target = f"{name}.weight"
+                shape = tuple(shapes[target]) if target in shapes else None
+                if shape is None:
+                    misfits.append(f"{module.key} (no {target} in the model's {component})")
+                elif target in placed[component]:
+                    other = placed[component][target].module.key
+                    misfits.append(f"{module.key} ({target} is already changed by {other})")
+                elif not module.fits(shape, rows):
+                    part = "" if rows is None else f" (its rows {', '.join(f'{a}:{b}' for a, b in rows)})"
+                    misfits.append(f"{module.key} (makes a {list(module.shape)} delta{part}, but "
+                                   f"{component} {target} is {list(shape)})")
+                else:
+                    placed[component][target] = Patch(module, target, shape, rows)
         if misfits:
             problems.append(f"{count(len(misfits), 'module')} that do not fit: {few(misfits)}")
+        if fused and any(homes[m.key] == targets.denoiser and m.names[0] not in fused for m in self.modules):
+            problems.append(f"kohya's names of the model's {targets.denoiser} modules are {few(list(fused))}")
         if problems:
             raise WeightsError(self.path, f"does not fit the model: {'; '.join(problems)} (is the LoRA for another "
                                           "model family?)")
         return placed
 
-    def deltas(self, components: Mapping[str, Mapping[str, Shape]], scale: float) -> dict[str, dict[str, np.ndarray]]:
+    @staticmethod
+    def _parts(module: LoraModule, component: str, index: Mapping[str, str | None],
+               ) -> tuple[dict[str, Spans | None], str | None]:
+        """The one model module a module names, or why none."""
+        found = {index[name] for name in module.names if name in index}
+        if len(found) != 1 or None in found:
+            return {}, f"{'no such module' if not found else 'names several modules'} in the model's {component}"
+        return {found.pop(): None}, None
+
+    @staticmethod
+    def _fused_parts(module: LoraModule, component: str, fused: Mapping[str, _Fused],
+                     ) -> tuple[dict[str, Spans | None], str | None]:
+        """The diffusers modules a fused module of kohya's names splits over, with each one's rows, or why none."""
+        if module.names[0] not in fused:
+            return {}, f"no such module in the model's {component}"
+        where = fused[module.names[0]]
+        if module.shape[0] != where.rows:
+            return {}, (f"makes a {list(module.shape)} delta, but {component} {where.name} has {where.rows} output "
+                        f"rows ({', '.join(where.parts)})")
+        return dict(where.parts), None
+
+    def deltas(self, components: Mapping[str, Mapping[str, Shape]], scale: float, targets: LoraTargets = LoraTargets(),
+               denoiser_config: Any = None) -> dict[str, dict[str, np.ndarray]]:
         """component -> weight name -> float32 delta, to add to the weight: `scale * (alpha / rank) * up @ down`.
         Everything is checked (`fit`) before any delta is computed."""
         scale = _checked_scale(scale)
         return {component: {target: patch.delta(scale) for target, patch in patches.items()}
-                for component, patches in self.fit(components).items()}
+                for component, patches in self.fit(components, targets, denoiser_config).items()}
 
 
 def _checked_scale(scale: Any) -> float:
@@ -373,17 +471,17 @@ def _module(path: Path, data: mmap.mmap, tensors: Mapping[str, TensorInfo], comp
 
 # ------------------------------------------------------------------------------------- the model's names
 
-def _index(component: str, shapes: Mapping[str, Shape], kohya: bool) -> dict[str, str | None]:
+def _index(component: str, shapes: Mapping[str, Shape], kohya: bool, clip: bool) -> dict[str, str | None]:
     """Every name a LoRA may give an adaptable module (a `.weight` of 2 or 4 dimensions) of `component` ->
     the module; None where a name fits several. kohya names are joined with `_` and, in the UNet, may be
-    the SGM UNet's."""
+    the SGM UNet's; a CLIP text encoder's (`clip`) may have `text_model.` or not."""
     modules = [name.removesuffix(".weight") for name, shape in shapes.items()
                if name.endswith(".weight") and len(shape) in (2, 4)]
     sgm = _sgm_names(modules) if component == "unet" and kohya else {}
     index: dict[str, str | None] = {}
     for module in modules:
         names = {module}
-        if component in TEXT_ENCODERS:
+        if clip:
             bare = module.removeprefix(CLIP_PREFIX)
             names |= {bare, CLIP_PREFIX + bare}
         if module in sgm:

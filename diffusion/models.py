@@ -330,7 +330,7 @@ def load_model(ref: str, dtype: str = "float32", variant: str | None = None, bas
         sources = _folder_weights(folder, family.components, variant, weights)
     configs = {name: _read_json(ref, folder / name / "config.json") for name in family.components}
     configs["scheduler"] = _read_json(ref, folder / "scheduler" / "scheduler_config.json")
-    deltas = _lora_deltas(loras or (), family, sources, weights)
+    deltas = _lora_deltas(ref, loras or (), family, sources, configs, weights)
     devices = list(devices or jax.local_devices())
     if model_parallel is None:
         model_parallel = _fitting_model_parallel(ref, folder, family, sources, dtype, devices)
@@ -347,11 +347,7 @@ def load_model(ref: str, dtype: str = "float32", variant: str | None = None, bas
         loading: dict[str, concurrent.futures.Future] = {}
         try:
             for name, component in family.components.items():
-                try:
-                    config = component.config.from_dict(configs[name])
-                except (ValueError, TypeError) as err:
-                    raise JobError("model", ref, f"{name}/config.json: {err}") from None
-                modules[name] = component.module(config, dtype=DTYPES[dtype])
+                modules[name] = component.module(_config(ref, family, name, configs), dtype=DTYPES[dtype])
                 expected = jax.eval_shape(modules[name].init_params, jax.random.PRNGKey(0))
                 if name in sources:
                     loading[name] = loader.submit(load_tensors, _where(folder / name, sources[name]), component.kind,
@@ -447,20 +443,33 @@ def _folder_weights(folder: Path, components: Iterable[str], variant: str | None
     return sources
 
 
-def _lora_deltas(loras: tuple[Lora, ...], family: Family, sources: dict[str, dict[str, TensorInfo]],
-                 weights: list[dict[str, Any]]) -> dict[str, dict[str, Delta]]:
-    """Every LoRA placed on the model (all checked before any weight is read), as a delta per
-    changed weight, by component and PyTorch tensor name: the sum of the LoRAs' scaled deltas,
-    computed when that weight is read, so no more than one weight's delta is held at once."""
+def _config(ref: str, family: Family, name: str, configs: dict[str, dict[str, Any]]) -> Any:
+    """A component's config object from its config.json."""
+    try:
+        return family.components[name].config.from_dict(configs[name])
+    except (ValueError, TypeError) as err:
+        raise JobError("model", ref, f"{name}/config.json: {err}") from None
+
+
+def _lora_deltas(ref: str, loras: tuple[Lora, ...], family: Family, sources: dict[str, dict[str, TensorInfo]],
+                 configs: dict[str, dict[str, Any]], weights: list[dict[str, Any]]) -> dict[str, dict[str, Delta]]:
+    """Every LoRA placed on the model (all checked before any weight is read; on the components
+    the family's LoRAs may change, the denoiser's modules named as its kohya files name them,
+    which may depend on its config), as a delta per changed weight, by component and PyTorch
+    tensor name: the sum of the LoRAs' scaled deltas, computed when that weight is read, so no
+    more than one weight's delta is held at once."""
     msgpack = [name for name in family.components if name not in sources]
     if loras and msgpack:
         raise JobError("loras", loras[0][0], f"merge into safetensors weights; this model's {msgpack[0]} has "
                                              "Flax msgpack weights (LoRAs need the model's safetensors weights)")
     shapes = {name: {key: info.shape for key, info in tensors.items()} for name, tensors in sources.items()}
+    targets = family.loras
+    named = loras and targets.kohya_modules is not None and targets.denoiser in family.components
+    denoiser_config = _config(ref, family, targets.denoiser, configs) if named else None
     patches: dict[str, dict[str, list[tuple[Patch, float]]]] = {}
     for lora_ref, scale in loras:
         path, _ = resolve_file(lora_ref, "loras")
-        for component, placed in read_lora(path).fit(shapes).items():
+        for component, placed in read_lora(path).fit(shapes, targets, denoiser_config).items():
             for key, patch in placed.items():
                 patches.setdefault(component, {}).setdefault(key, []).append((patch, scale))
         weights.append({"role": "lora", "file": lora_ref, "scale": scale, "sha256": file_sha256(path, cache_root() / DIGESTS)})

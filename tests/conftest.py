@@ -45,7 +45,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # family run in one, so each family's models load once (SDXL's and the others' side by side).
 FARM_FILES = ("test_farm.py", "test_promises.py", "test_campaigns.py", "test_metrics.py", "test_flower.py")
 ORACLE_FILES = ("test_reference.py", "test_engine.py", "test_single_file.py")
-FLUX_FILES = ("test_flux.py", "test_flux_files.py")
+FLUX_FILES = ("test_flux.py", "test_flux_files.py", "test_flux_lora.py")
 
 
 @pytest.hookimpl(optionalhook=True)

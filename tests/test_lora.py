@@ -279,7 +279,7 @@ def test_an_sdxl_lora_on_an_sd1_model_is_refused_naming_the_keys(fmt: str) -> No
     message = str(caught.value)
     assert str(lora_path("sdxl", fmt)) in message
     assert "12 modules for text_encoder_2" in message
-    assert "which the model does not have (it has unet, text_encoder)" in message
+    assert "which is not a component the model has and a LoRA may change (those are unet, text_encoder)" in message
     assert "50 modules that do not fit" in message and "and 45 more" in message
     key = ("lora_unet_input_blocks_3_1_transformer_blocks_0_attn2_to_k.lora_down.weight" if fmt == "kohya"
            else "unet.down_blocks.1.attentions.0.transformer_blocks.0.attn2.to_k.lora_A.weight")

@@ -11,6 +11,9 @@ as latents / scaling_factor + shift_factor.
 
 T5's sequence length is BFL's choice (their reference code and model cards): 256 tokens for
 schnell (no guidance embedding), 512 for dev (diffusers' default); `max_sequence_length`.
+
+LoRAs change the transformer and CLIP, as diffusers' FluxLoraLoaderMixin (T5 has none); kohya's
+files name the transformer's modules as BFL's code does (diffusion/bfl.py).
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from diffusion import bfl
 from diffusion.family import Component, Family, Geometry, Networks, Tokenizer
 from diffusion.flops import program_flops
 from diffusion.generate import Output, Static, decode, initial_latents, sample
+from diffusion.lora import LoraTargets
 from diffusion.nn.clip import CLIPTextConfig, CLIPTextModel
 from diffusion.nn.flux import FluxConfig, FluxTransformer2DModel
 from diffusion.nn.t5 import T5Config, T5EncoderModel
@@ -149,6 +154,11 @@ def denoiser_flops(nets: Networks, params: Any, rows: int, height: int, width: i
         jax.ShapeDtypeStruct((rows, cfg.pooled_projection_dim), f32)))
 
 
+def kohya_modules(config: FluxConfig) -> dict[str, list[tuple[str, int, int]]]:
+    """The transformer's linear layers in kohya's (BFL's) names -> where each one's output rows go."""
+    return {module: bfl.diffusers_modules(module, config) for module in bfl.bfl_modules(config)}
+
+
 def tiny(family: Family, out: pathlib.Path, seed: int) -> None:
     """A tiny random dev (guidance embedding, dynamic shift): one block of each kind, a
     two-layer T5 and CLIP, a four-block 16-channel VAE (64x64 native, factor 8)."""
@@ -188,4 +198,5 @@ FAMILY = Family(
     tiny=tiny,
     schedulers=("flow_euler",),
     classifier_free=False,
+    loras=LoraTargets("transformer", ("text_encoder",), kohya_modules),
 )

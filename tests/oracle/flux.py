@@ -216,6 +216,13 @@ def render(pipe: FluxPipeline, variant: str, job: dict[str, Any]) -> np.ndarray:
     return (image * 255).round().astype(np.uint8)
 
 
+def load(folder: pathlib.Path) -> FluxPipeline:
+    """A pipeline folder loaded back in float32, without progress bars."""
+    pipe = FluxPipeline.from_pretrained(folder, torch_dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 def write_pipelines(root: pathlib.Path) -> None:
     tokenizer_2 = t5_tokenizer(root / "t5_tokenizer")
     cases = [{"text": text, "max_length": length, "ids": tokenizer_2(text, padding="max_length", max_length=length,
@@ -231,8 +238,7 @@ def write_pipelines(root: pathlib.Path) -> None:
         pipelines._write_tokenizer(folder / "tokenizer", "<|endoftext|>")
         shutil.rmtree(folder / "tokenizer_2")
         shutil.copytree(root / "t5_tokenizer", folder / "tokenizer_2")
-        pipe = FluxPipeline.from_pretrained(folder, torch_dtype=torch.float32)
-        pipe.set_progress_bar_config(disable=True)
+        pipe = load(folder)
         for i, job in enumerate(jobs(variant)):
             pipelines._save_png(root / variant / f"{i}.png", render(pipe, variant, job))
             records.append({**job, "model": f"{variant}/model", "image": f"{variant}/{i}.png"})

@@ -31,7 +31,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from diffusers import FluxPipeline
 from diffusers.loaders import single_file_utils
 from safetensors.torch import load_file, save_file
 
@@ -98,8 +97,7 @@ def write(data: pathlib.Path) -> None:
     root.mkdir(parents=True)
     folder = data / "flux" / "schnell" / "model"
     tensors = load_file(str(folder / "transformer" / "diffusion_pytorch_model.safetensors"))
-    pipe = FluxPipeline.from_pretrained(folder, torch_dtype=torch.float32)
-    pipe.set_progress_bar_config(disable=True)
+    pipe = flux.load(folder)
     config = _config(pipe.transformer)
     save_file(to_bfl(tensors, config), str(root / "bfl.safetensors"))
     check_bfl(root / "bfl.safetensors", tensors, config.inner_dim)

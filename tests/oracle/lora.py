@@ -7,7 +7,7 @@
                                        the text encoder(s), `get_peft_model_state_dict`, then the pipeline's
                                        `save_lora_weights` with each adapter's LoraConfig as the metadata
                                        (`lora_adapter_metadata`: rank, lora_alpha, rank_pattern, alpha_pattern;
-                                       its `format: pt` entry dropped, see `_drop_format_entry`)
+                                       its `format: pt` entry dropped, see `drop_format_entry`)
     lora/<family>/kohya.safetensors    the same LoRA in kohya's format, written here by our own inverse
                                        mapping: `lora_unet_<module with _>`, `lora_te_` (sd1) or `lora_te1_` /
                                        `lora_te2_` (sdxl), `.lora_down.weight`, `.lora_up.weight`, `.alpha`;
@@ -37,10 +37,12 @@ diffusion/lora.py honours it.
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 import re
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -111,9 +113,8 @@ def _config(model: torch.nn.Module, component: str) -> LoraConfig:
     )
 
 
-def _add_lora(model: torch.nn.Module, component: str, generator: torch.Generator) -> tuple[dict, dict]:
+def add_lora(model: torch.nn.Module, config: LoraConfig, generator: torch.Generator) -> tuple[dict, dict]:
     """Adapters with deterministic random weights (both factors non-zero): the PEFT state dict and config."""
-    config = _config(model, component)
     model.add_adapter(config)
     with torch.no_grad():
         for _, module in sorted(model.named_modules()):
@@ -125,11 +126,12 @@ def _add_lora(model: torch.nn.Module, component: str, generator: torch.Generator
     state = {key: value.detach().clone().contiguous() for key, value in get_peft_model_state_dict(model).items()}
     metadata = config.to_dict()
     metadata["base_model_name_or_path"] = None  # a local path otherwise
-    metadata["target_modules"] = sorted(metadata["target_modules"])  # a set: in hash order otherwise
+    if not isinstance(metadata["target_modules"], str):  # a regex, or a set: in hash order otherwise
+        metadata["target_modules"] = sorted(metadata["target_modules"])
     return state, metadata
 
 
-def _drop_format_entry(path: pathlib.Path) -> None:
+def drop_format_entry(path: pathlib.Path) -> None:
     """Rewrite diffusers' file without its `format: pt` header entry, tensors and LoRA config unchanged:
     safetensors writes a header's metadata in hash order, so with two entries the bytes change from run to
     run. Nothing reads the entry."""
@@ -175,30 +177,35 @@ def sgm_name(module: str, config: Any) -> str:
     return ".".join([head, *rest])
 
 
-def to_kohya(family: str, component: str, state: dict[str, torch.Tensor], metadata: dict, config: Any) -> dict:
-    """The PEFT state dict of one component in kohya's names, with each module's alpha as a tensor."""
+def alpha_of(metadata: dict, module: str) -> float:
+    """A module's alpha in a LoraConfig made here: its `^<module>` alpha_pattern, else lora_alpha."""
+    return next((value for pattern, value in metadata["alpha_pattern"].items() if pattern == f"^{module}"),
+                metadata["lora_alpha"])
+
+
+def clip_name(module: str) -> str:
+    """A CLIP module with the `text_model.` prefix kohya's names have (transformers 5 dropped it)."""
+    return module if module.startswith("text_model.") else f"text_model.{module}"
+
+
+def to_kohya(prefix: str, state: dict[str, torch.Tensor], metadata: dict, name: Callable[[str], str]) -> dict:
+    """The PEFT state dict of one component in kohya's names (`prefix` + `name(module)` with `_`), with each
+    module's alpha as a tensor."""
     out = {}
     for key, down in state.items():
         if not key.endswith(".lora_A.weight"):
             continue
         module = key.removesuffix(".lora_A.weight")
-        up = state[f"{module}.lora_B.weight"]
-        if component == "unet":
-            name = sgm_name(module, config) if family == "sdxl" else module
-        else:
-            name = module if module.startswith("text_model.") else f"text_model.{module}"
-        alpha = next((value for pattern, value in metadata["alpha_pattern"].items() if pattern == f"^{module}"),
-                     metadata["lora_alpha"])
-        lora_name = KOHYA_PREFIX[family][component] + name.replace(".", "_")
+        lora_name = prefix + name(module).replace(".", "_")
         out[f"{lora_name}.lora_down.weight"] = down
-        out[f"{lora_name}.lora_up.weight"] = up
-        out[f"{lora_name}.alpha"] = torch.tensor(float(alpha))
+        out[f"{lora_name}.lora_up.weight"] = state[f"{module}.lora_B.weight"]
+        out[f"{lora_name}.alpha"] = torch.tensor(float(alpha_of(metadata, module)))
     return out
 
 
 # ------------------------------------------------------------------------------------------ the oracle
 
-def _weights(pipe, components: tuple[str, ...]) -> dict[str, torch.Tensor]:
+def weights_of(pipe, components: tuple[str, ...]) -> dict[str, torch.Tensor]:
     return {f"{component}.{key}": value.detach().clone()
             for component in components for key, value in getattr(pipe, component).state_dict().items()}
 
@@ -234,7 +241,7 @@ def _render_format(folder: pathlib.Path, family: str, lora: pathlib.Path, compon
         _save_png(root / family / fmt / f"{index}.png", pixels)
         images.append(pixels)
     pipe.unload_lora_weights()  # the fused weights stay
-    return _weights(pipe, components), images
+    return weights_of(pipe, components), images
 
 
 def _render_schedulers(folder: pathlib.Path, family: str, lora: pathlib.Path, root: pathlib.Path) -> list[dict]:
@@ -258,19 +265,26 @@ def write_family(data: pathlib.Path, family: str) -> tuple[list[dict[str, Any]],
     root = data / "lora"
     components = ("unet", *TEXT_ENCODERS[family])
     pipe = load(folder, family)
-    base = _weights(pipe, components)
+    base = weights_of(pipe, components)
     generator = torch.Generator().manual_seed(SEED[family])
     layers, metadata, kohya = {}, {}, {}
     for component in components:
-        layers[component], metadata[component] = _add_lora(getattr(pipe, component), component, generator)
-        kohya.update(to_kohya(family, component, layers[component], metadata[component], pipe.unet.config))
+        model = getattr(pipe, component)
+        layers[component], metadata[component] = add_lora(model, _config(model, component), generator)
+        if component != "unet":
+            name = clip_name
+        elif family == "sdxl":
+            name = functools.partial(sgm_name, config=pipe.unet.config)
+        else:
+            name = str
+        kohya.update(to_kohya(KOHYA_PREFIX[family][component], layers[component], metadata[component], name))
     (root / family).mkdir(parents=True, exist_ok=True)
     type(pipe).save_lora_weights(
         root / family, weight_name="peft.safetensors",
         **{f"{component}_lora_layers": layers[component] for component in components},
         **{f"{component}_lora_adapter_metadata": metadata[component] for component in components},
     )
-    _drop_format_entry(root / family / "peft.safetensors")
+    drop_format_entry(root / family / "peft.safetensors")
     save_file(kohya, root / family / "kohya.safetensors", metadata={"ss_network_module": "networks.lora"})
     del pipe
 
