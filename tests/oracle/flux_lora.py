@@ -56,7 +56,7 @@ from safetensors.torch import save_file
 
 from diffusion.bfl import bfl_modules, diffusers_modules
 from tests.oracle import flux, pipelines
-from tests.oracle.lora import add_lora, alpha_of, clip_name, drop_format_entry, to_kohya, weights_of
+from tests.oracle.lora import add_lora, alpha_of, check_targets, clip_name, drop_format_entry, to_kohya, weights_of
 
 VARIANTS = ("schnell", "dev")
 FORMATS = ("peft", "kohya")
@@ -232,12 +232,7 @@ def write_variant(data: pathlib.Path, variant: str) -> list[dict[str, Any]]:
             images = [flux.render(pipe, variant, job) for job in jobs]
         pipe.unload_lora_weights()  # the fused weights stay
         fused[fmt] = weights_of(pipe, COMPONENTS)
-    targets = {f"{component}.{module}.weight" for component in COMPONENTS
-               for module in {key.split(".lora_")[0] for key in layers[component]}}
-    for fmt in FORMATS:
-        changed = {key for key in base if not torch.equal(base[key], fused[fmt][key])}
-        if changed != targets:
-            raise AssertionError(f"{variant} {fmt}: the LoRA changed {sorted(changed ^ targets)[:5]} unexpectedly")
+    check_targets(variant, base, fused, layers, COMPONENTS)
     differ = [key for key in base if not torch.equal(fused["peft"][key], fused["kohya"][key])]
     if differ:
         raise AssertionError(f"{variant}: diffusers loads the kohya file differently at {differ[:5]}")

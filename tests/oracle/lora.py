@@ -292,12 +292,7 @@ def write_family(data: pathlib.Path, family: str) -> tuple[list[dict[str, Any]],
     for fmt in FORMATS:
         fused[fmt], images[fmt] = _render_format(folder, family, root / family / f"{fmt}.safetensors",
                                                  components, root, fmt)
-    targets = {f"{component}.{module}.weight" for component in components
-               for module in {key.split(".lora_")[0] for key in layers[component]}}
-    for fmt in FORMATS:
-        changed = {key for key in base if not torch.equal(base[key], fused[fmt][key])}
-        if changed != targets:
-            raise AssertionError(f"{family} {fmt}: the LoRA changed {sorted(changed ^ targets)[:5]} unexpectedly")
+    targets = check_targets(family, base, fused, layers, components)
     for key in base:
         if not torch.allclose(fused["peft"][key], fused["kohya"][key], rtol=0, atol=1e-7):
             raise AssertionError(f"{family}: diffusers loads the kohya file differently at {key}")
@@ -346,3 +341,16 @@ def write(data: pathlib.Path) -> None:
         "jobs": records,
     }
     (root / "jobs.json").write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def check_targets(label: str, base: dict[str, torch.Tensor], fused: dict[str, dict[str, torch.Tensor]],
+                  layers: dict[str, Any], components: Any) -> set[str]:
+    """Each format's fused weights differ from `base` at exactly the weights of the modules the LoRA
+    targets; returns those weights' names."""
+    targets = {f"{component}.{module}.weight" for component in components
+               for module in {key.split(".lora_")[0] for key in layers[component]}}
+    for fmt, weights in fused.items():
+        changed = {key for key in base if not torch.equal(base[key], weights[key])}
+        if changed != targets:
+            raise AssertionError(f"{label} {fmt}: the LoRA changed {sorted(changed ^ targets)[:5]} unexpectedly")
+    return targets
