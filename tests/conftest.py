@@ -14,10 +14,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HOME"] = os.path.join(_SANDBOX, "hf")
 os.environ["RENDERFARM_MODEL_CACHE"] = os.path.join(_SANDBOX, "models")
-# One compile cache for the whole run: `make test`'s processes inherit the path pytest-xdist's
-# controller chose before starting them, so a program one process compiled the other loads.
-os.environ.setdefault("RENDERFARM_TEST_COMPILE_CACHE", os.path.join(_SANDBOX, "jax-cache"))
-os.environ["RENDERFARM_COMPILE_CACHE"] = os.environ["RENDERFARM_TEST_COMPILE_CACHE"]
+os.environ["RENDERFARM_COMPILE_CACHE"] = os.path.join(_SANDBOX, "jax-cache")
 
 from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
