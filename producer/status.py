@@ -49,8 +49,10 @@ def farm_queues(broker: str | None = None) -> list[QueueInfo]:
     names = sorted(set(names) | set(dead))
     if not names:
         return []
+    # The broadcast and its replies go over this call's own connection: one from kombu's pools,
+    # which a process shares between its apps, may be a socket of a Redis since restarted.
     with make_app(settings) as app, app.connection_for_read() as connection:
-        replies = app.control.inspect(timeout=INSPECT_SECONDS).active_queues() or {}
+        replies = app.control.inspect(timeout=INSPECT_SECONDS, connection=connection).active_queues() or {}
         consumers = Counter(q["name"] for queues in replies.values() for q in queues)
         channel = connection.default_channel
         return [QueueInfo(name, _waiting(channel, name), consumers[name], dead.get(name, 0)) for name in names]

@@ -21,7 +21,7 @@ from harness.redis_server import RedisServer
 from producer import WaitTimeout, campaign_status, submit, wait_for
 from producer.submit import enqueue_jobs
 from renderfarm.jobs import JobError, JobSpec, parse_job
-from renderfarm.progress import Progress
+from renderfarm.progress import QUEUES, Progress
 from renderfarm.queue import (
     ENQUEUED_HEADER,
     TASK_NAME,
@@ -222,6 +222,19 @@ def test_a_job_given_twice_is_sent_once(broker: str, tmp_path: Path) -> None:
     submission = submit(prompts_file=write_jsonl(tmp_path / "dup.jsonl", rows), model="m", broker=broker)
     assert (submission.enqueued, submission.duplicates) == (2, 1)
     assert len(drain(broker, "rf.float32.m")) == 2
+
+
+def test_status_in_a_process_whose_redis_restarted(cli: Cli, broker: str, redis_server: RedisServer) -> None:
+    """A long-lived process (a notebook, a dashboard) asks again after Redis restarted: the
+    connections kombu pooled for the first call are dead sockets, and must not fail the second."""
+    submit(["a"], model="some/model", campaign="rs", seed=0, broker=broker)
+    assert cli("status", "rs", "--json", "--broker", broker)[0] == 0
+    redis_server.stop()
+    redis_server.start()  # without its data: the queue is named again, so the workers are asked
+    redis_server.client().sadd(QUEUES, "rf.float32.some/model")
+    code, out, err = cli("status", "rs", "--json", "--broker", broker)
+    assert code == 0, err
+    assert [queue["name"] for queue in json.loads(out)["queues"]] == ["rf.float32.some/model"]
 
 
 def test_status_reports_counts_failures_and_queues_nobody_consumes(cli: Cli, broker: str,
