@@ -13,6 +13,8 @@ import io
 import json
 import shlex
 import signal
+import subprocess
+import sys
 import urllib.request
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -161,10 +163,17 @@ def same_params(a: LoadedModel, b: LoadedModel) -> None:
             np.testing.assert_array_equal(flat_a[path], flat_b[path], err_msg=f"{component} {path}")
 
 
-def rendered_by_seed(out: Path) -> dict[int, np.ndarray]:
-    """The images `renderfarm render` wrote under `out`, by their job's seed (from the PNG's fields)."""
+def render_command(jobs: list[dict[str, Any]], tmp_path: Path, *flags: str) -> dict[int, np.ndarray]:
+    """`renderfarm render --prompts JOBS.jsonl FLAGS...` in a process of its own, as a user runs it:
+    the images it wrote, by their job's seed (from the PNG's fields)."""
+    prompts, out = tmp_path / "jobs.jsonl", tmp_path / "out"
+    fields = ("prompt", "seed", "steps", "guidance_scale", "width", "height")
+    prompts.write_text("".join(json.dumps({k: job[k] for k in fields}) + "\n" for job in jobs), encoding="utf-8")
+    done = subprocess.run([sys.executable, "-m", "renderfarm_cli", "render", "--prompts", str(prompts), "--out", str(out),
+                           "--campaign", "render", "--quiet", *flags], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
     by_seed = {}
-    for path in out.glob("*.png"):
+    for path in (out / "render").glob("*.png"):
         image = Image.open(path)
         fields = [json.loads(text) for text in image.text.values() if text.startswith("{")]
         if fields and "seed" in fields[0]:

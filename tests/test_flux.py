@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +21,7 @@ from diffusion.family import Geometry
 from diffusion.models import LoadedModel, load_model
 from diffusion.tokenizer import T5Tokenizer
 from renderfarm.jobs import JobError, JobSpec, parse_job
-from tests.helpers import rendered_by_seed
+from tests.helpers import render_command
 from worker.engine import Engine
 
 DATA = Path(__file__).parent / "data" / "flux"
@@ -102,14 +99,7 @@ def test_dev_takes_the_guidance_scale_and_schnell_ignores_it(engine: Engine, var
 @pytest.mark.oracle
 def test_render_command_renders_diffusers_images(variant: str, tmp_path: Path) -> None:
     jobs = jobs_of(variant)
-    prompts = tmp_path / "jobs.jsonl"
-    fields = ("prompt", "seed", "steps", "guidance_scale", "width", "height")
-    prompts.write_text("".join(json.dumps({k: job[k] for k in fields}) + "\n" for job in jobs), encoding="utf-8")
-    done = subprocess.run([sys.executable, "-m", "renderfarm_cli", "render", "--model", str(DATA / variant / "model"),
-                           "--prompts", str(prompts), "--out", str(tmp_path / "out"), "--campaign", "flux",
-                           "--quiet"], capture_output=True, text=True, env=os.environ, timeout=600)
-    assert done.returncode == 0, done.stderr
-    by_seed = rendered_by_seed(tmp_path / "out" / "flux")
+    by_seed = render_command(jobs, tmp_path, "--model", str(DATA / variant / "model"))
     difference = worst([by_seed[job["seed"]] for job in jobs], jobs)
     print(f"{variant}: renderfarm render max difference {difference}/255")
     assert difference <= TOLERANCE

@@ -8,10 +8,7 @@ fit is refused, naming the tensor; diffusion/bfl.py sends every BFL row where di
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import ml_dtypes
@@ -27,7 +24,7 @@ from diffusion.nn.flux import FluxConfig
 from diffusion.single_file import read_single_file
 from diffusion.weights import ST_DTYPES
 from renderfarm.jobs import JobError
-from tests.helpers import DATA, TOLERANCE, max_diffs, rendered_by_seed, same_params
+from tests.helpers import DATA, TOLERANCE, max_diffs, render_command, same_params
 from worker.engine import Engine
 
 FILES = DATA / "flux_files"
@@ -134,14 +131,7 @@ def test_a_guidance_embedding_makes_a_bfl_file_dev_whose_default_base_is_flux_de
 
 @pytest.mark.oracle
 def test_render_command_renders_a_bfl_file_with_its_base_as_the_folder(tmp_path: Path) -> None:
-    prompts = tmp_path / "jobs.jsonl"
-    fields = ("prompt", "seed", "steps", "guidance_scale", "width", "height")
-    prompts.write_text("".join(json.dumps({k: job[k] for k in fields}) + "\n" for job in SCHNELL_JOBS))
-    done = subprocess.run([sys.executable, "-m", "renderfarm_cli", "render", "--model", str(BFL_FILE),
-                           "--base", str(FOLDER), "--prompts", str(prompts), "--out", str(tmp_path / "out"),
-                           "--campaign", "bfl", "--quiet"], capture_output=True, text=True, env=os.environ, timeout=600)
-    assert done.returncode == 0, done.stderr
-    by_seed = rendered_by_seed(tmp_path / "out" / "bfl")
+    by_seed = render_command(SCHNELL_JOBS, tmp_path, "--model", str(BFL_FILE), "--base", str(FOLDER))
     difference = max(int(np.abs(by_seed[job["seed"]] - pixels(DATA / "flux" / job["image"])).max())
                      for job in SCHNELL_JOBS)
     print(f"BFL file with --base, renderfarm render: max difference {difference}/255")

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +24,7 @@ from diffusion.models import load_model
 from diffusion.nn.flux import FluxConfig
 from diffusion.weights import WeightsError, read_header
 from renderfarm.jobs import JobError, JobSpec
+from tests.helpers import render_command
 from worker.engine import Engine
 
 DATA = Path(__file__).parent / "data"
@@ -202,21 +200,8 @@ def test_the_engine_renders_diffusers_images(variant: str, fmt: str) -> None:
 @pytest.mark.oracle
 def test_render_command_renders_diffusers_images_with_a_kohya_lora(tmp_path: Path) -> None:
     jobs = jobs_of("schnell", "kohya")
-    prompts = tmp_path / "jobs.jsonl"
-    fields = ("prompt", "seed", "steps", "guidance_scale", "width", "height")
-    prompts.write_text("".join(json.dumps({k: job[k] for k in fields}) + "\n" for job in jobs), encoding="utf-8")
     lora = f"{lora_path('schnell', 'kohya')}:{REFERENCE['lora_scale']}"
-    done = subprocess.run([sys.executable, "-m", "renderfarm_cli", "render", "--model", str(model_folder("schnell")),
-                           "--lora", lora, "--prompts", str(prompts), "--out", str(tmp_path / "out"),
-                           "--campaign", "flux-lora", "--quiet"], capture_output=True, text=True, env=os.environ,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr
-    by_seed = {}
-    for path in (tmp_path / "out" / "flux-lora").glob("*.png"):
-        image = Image.open(path)
-        fields = [json.loads(text) for text in image.text.values() if text.startswith("{")]
-        if fields and "seed" in fields[0]:
-            by_seed[fields[0]["seed"]] = np.asarray(image.convert("RGB"))
+    by_seed = render_command(jobs, tmp_path, "--model", str(model_folder("schnell")), "--lora", lora)
     difference = worst([by_seed[job["seed"]] for job in jobs], [DATA / job["image"] for job in jobs])
     print(f"schnell kohya: renderfarm render max difference {difference}/255")
     assert difference <= TOLERANCE
