@@ -29,8 +29,10 @@ demo: $(BIN)/.installed
 		--out out --campaign demo --seed 0 --steps 4
 	@echo "images, sidecars, manifest.jsonl and the gallery (index.html, preview.png) are in out/demo/"
 
-# Two test processes (compiling is single-threaded); tests/conftest.py keeps the farm's tests to one.
-TEST_PROCESSES ?= 2
+# Three test processes on two cores: compiling is single-threaded, and many tests spend their
+# time waiting (on worker processes, on Redis, on a schedule's clock). tests/conftest.py keeps the
+# farm's tests to one process and gives them all one compile cache.
+TEST_PROCESSES ?= 3
 test: $(BIN)/.installed system-packages
 	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES)
 

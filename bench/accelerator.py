@@ -251,10 +251,10 @@ def write_pipeline(out: Path, plan: dict[str, Any], seed: int = 0) -> dict[str, 
     """A diffusers folder in PyTorch's format: model_index.json, each component's config.json
     and float16 safetensors (random weights), diffusion/tiny.py's tokenizers, the scheduler
     config. Kept: a second call with the same plan returns at once. Returns what it wrote."""
-    import jax
     from flax.traverse_util import flatten_dict
 
     from diffusion.families import FAMILIES
+    from diffusion.nn import parameter_shapes
     from diffusion.tiny_parts import EOS, clip_tokenizer_files
 
     digest = hashlib.sha256(json.dumps([plan["configs"], plan["scheduler"], seed, WRITER_VERSION],
@@ -281,7 +281,7 @@ def write_pipeline(out: Path, plan: dict[str, Any], seed: int = 0) -> dict[str, 
         if component.kind.startswith("clip"):  # the tokenizer's special ids, whatever the vocabulary size
             config |= {"bos_token_id": vocab - 2, "eos_token_id": vocab - 1, "pad_token_id": vocab - 1}
         module = component.module(component.config.from_dict(config))
-        shapes = flatten_dict(jax.eval_shape(module.init_params, jax.random.PRNGKey(0)))
+        shapes = flatten_dict(parameter_shapes(module))
         tensors = [(_torch_name(component.kind, path), _torch_shape(path[-1], tuple(leaf.shape)),
                     values.chunks(path[-1], tuple(leaf.shape))) for path, leaf in shapes.items()]
         tensors.sort(key=lambda t: t[0])
@@ -471,6 +471,7 @@ def memory_arithmetic(plans: dict[str, dict[str, Any]], batches: tuple[int, ...]
     from diffusion.families import FAMILIES
     from diffusion.family import Networks
     from diffusion.generate import Static
+    from diffusion.nn import parameter_shapes
     from diffusion.nn.attention import use_kernel
     from diffusion.schedulers import make
 
@@ -480,7 +481,7 @@ def memory_arithmetic(plans: dict[str, dict[str, Any]], batches: tuple[int, ...]
         modules, params, counts = {}, {}, {}
         for component, spec in family.components.items():
             module = spec.module(spec.config.from_dict(dict(plan["configs"][component])), dtype=jnp.float32)
-            params[component] = jax.eval_shape(module.init_params, jax.random.PRNGKey(0))
+            params[component] = parameter_shapes(module)
             counts[component] = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params[component]))
             modules[component] = module
         networks = Networks(tuple(modules.items()), family.options)

@@ -46,6 +46,7 @@ from diffusion.digests import file_sha256
 from diffusion.families import detect
 from diffusion.family import Family, Networks, Tokenizer
 from diffusion.lora import Patch, read_lora
+from diffusion.nn import parameter_shapes
 from diffusion.schedulers import CLASS_NAMES
 from diffusion.sharding import choose_model_parallel, make_mesh, weight_shardings
 from diffusion.single_file import check_family, read_single_file
@@ -342,13 +343,13 @@ def load_model(ref: str, dtype: str = "float32", variant: str | None = None, bas
     sharding = replicated(devices) if model_parallel == 1 else None
     modules: dict[str, Any] = {}
     # Each component's weights load on a thread of their own, in order, while the next component's
-    # expected shapes are traced here (jax.eval_shape of the whole network: seconds for a UNet).
+    # expected shapes are traced here (seconds for a UNet, once per architecture: diffusion.nn.parameter_shapes).
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="load") as loader:
         loading: dict[str, concurrent.futures.Future] = {}
         try:
             for name, component in family.components.items():
                 modules[name] = component.module(_config(ref, family, name, configs), dtype=DTYPES[dtype])
-                expected = jax.eval_shape(modules[name].init_params, jax.random.PRNGKey(0))
+                expected = parameter_shapes(modules[name])
                 if name in sources:
                     loading[name] = loader.submit(load_tensors, _where(folder / name, sources[name]), component.kind,
                                                   sources[name], expected, DTYPES[dtype], deltas.get(name),

@@ -11,10 +11,11 @@ import json
 import pathlib
 from typing import TYPE_CHECKING, Any
 
-import jax
 import numpy as np
 from flax.serialization import msgpack_serialize
 from flax.traverse_util import flatten_dict, unflatten_dict
+
+from diffusion.nn import parameter_shapes
 
 if TYPE_CHECKING:
     from diffusion.family import Family
@@ -130,7 +131,7 @@ def random_params(module: Any, seed: int, stream: int) -> dict:
     Flax's defaults (LeCun-normal kernels and embeddings, zero biases, unit norm scales).
     """
     rng = np.random.default_rng([seed, stream])
-    shapes = flatten_dict(jax.eval_shape(module.init_params, jax.random.PRNGKey(0)))
+    shapes = flatten_dict(parameter_shapes(module))
     params = {}
     for path, leaf in sorted(shapes.items()):
         if path[-1] == "bias":

@@ -5,16 +5,24 @@ processes shared by the test files whose campaigns are namespaced anyway."""
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 # Before anything imports JAX or huggingface_hub (both read these once, at import).
 _SANDBOX = tempfile.mkdtemp(prefix="renderfarm-tests-")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Compiling is most of the suite's time on a CPU, and the tiny models run in milliseconds either
+# way: XLA skips its costlier optimisations (LLVM at -O0), which compiles about a quarter faster.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HOME"] = os.path.join(_SANDBOX, "hf")
 os.environ["RENDERFARM_MODEL_CACHE"] = os.path.join(_SANDBOX, "models")
-os.environ["RENDERFARM_COMPILE_CACHE"] = os.path.join(_SANDBOX, "jax-cache")
+# One compile cache for the whole run: pytest-xdist's test processes inherit the first process's
+# environment, and the processes the tests start (`renderfarm render`, workers) inherit theirs,
+# so a program one of them compiled, the others load.
+os.environ.setdefault("RENDERFARM_TESTS_COMPILE_CACHE", os.path.join(_SANDBOX, "jax-cache"))
+os.environ["RENDERFARM_COMPILE_CACHE"] = os.environ["RENDERFARM_TESTS_COMPILE_CACHE"]
 
 from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -30,6 +38,12 @@ from tests.gcs_emulator import GcsEmulator  # noqa: E402
 from tests.helpers import FARM_OUT, STORE_THREADS, Cli, Farm, scrape  # noqa: E402
 
 
+def pytest_unconfigure() -> None:
+    """Each process removes its own sandbox; the first process's, which holds the shared compile
+    cache, goes when the run is over (pytest-xdist's test processes end before it)."""
+    shutil.rmtree(_SANDBOX, ignore_errors=True)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test that uses the session's farm is a `farm` test, marked or not (`make check`)."""
     for item in items:
@@ -43,6 +57,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 FARM_FILES = ("test_farm.py", "test_promises.py", "test_campaigns.py", "test_metrics.py", "test_flower.py")
 ORACLE_FILES = ("test_reference.py", "test_engine.py", "test_single_file.py")
 FLUX_FILES = ("test_flux.py", "test_flux_files.py", "test_flux_lora.py")
+# Files whose module-scoped fixtures are costly (renders, workers): each runs in one process, so
+# that they are built once (test_executables' store must also compile its program itself, which a
+# second process would load from the shared cache). Every other test runs wherever there is room.
+WHOLE_FILES = ("test_sharding.py", "test_executables.py", "test_tls.py", "test_faults.py", "test_tokenizer.py",
+               "test_flux_modules.py")
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -58,7 +77,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
                 return "oracle-sdxl" if "sdxl" in nodeid else "oracle-sd"
             if file in FLUX_FILES:
                 return "oracle-flux"
-            return nodeid  # any other test runs wherever there is room
+            return file if file in WHOLE_FILES else nodeid
 
     return Groups(config, log)
 

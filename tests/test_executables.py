@@ -69,6 +69,18 @@ def test_program_names_change_with_everything_the_program_depends_on(sd_model: L
     assert Engine(reweighted)._program_name(key) == name  # noqa: SLF001
 
 
+def test_program_names_cover_the_device_side_code() -> None:
+    """A change to any code the traced program runs (the engine, the model layer's loop,
+    networks, schedulers and families) names other programs, so no stale one is loaded."""
+    from worker.executables import _environment
+
+    code = _environment()["code"]
+    for path in ("worker/engine.py", "diffusion/generate.py", "diffusion/nn/unet.py", "diffusion/nn/flux.py",
+                 "diffusion/schedulers/ddim.py", "diffusion/families/sdxl.py", "diffusion/sharding.py"):
+        assert path in code, path
+    assert not any(path.startswith(("worker/broker", "renderfarm/", "producer/")) for path in code)
+
+
 def test_an_unreadable_saved_program_is_compiled_again(store: ExecutableStore, sd_model: LoadedModel,
                                                        sd_engine: Engine, tmp_path: Path) -> None:
     broken = ExecutableStore(tmp_path / "broken")

@@ -93,7 +93,8 @@ def test_both_formats_give_the_same_deltas(variant: str) -> None:
     for component in want:
         assert got[component].keys() == want[component].keys()
         for name, delta in want[component].items():
-            np.testing.assert_allclose(got[component][name], delta, rtol=1e-6, atol=1e-9, err_msg=name)
+            # float32 products summed in another order (fused rows): a few units in the last place
+            np.testing.assert_allclose(got[component][name], delta, rtol=1e-6, atol=1e-7, err_msg=name)
     split = {"single_transformer_blocks.0.attn.to_q.weight", "single_transformer_blocks.0.proj_mlp.weight",
              "transformer_blocks.1.attn.add_v_proj.weight", "norm_out.linear.weight", "x_embedder.weight"}
     assert split <= want["transformer"].keys()

@@ -29,6 +29,7 @@ from diffusion.families import detect
 from diffusion.models import LoadedModel, load_model, replicated
 from diffusion.weights import TensorInfo, load_tensors, read_header
 from renderfarm.jobs import JobError
+from tests.helpers import same_params
 
 DATA = Path(__file__).parent / "data"
 ORACLE = DATA / "oracle"
@@ -256,6 +257,31 @@ def test_the_engine_keeps_the_placed_weights_without_a_copy() -> None:
     model = load_model(str(ORACLE / "sd1" / "model"))
     engine = Engine(model)
     assert all(a is b for a, b in zip(jax.tree.leaves(engine._params), jax.tree.leaves(model.params), strict=True))
+
+
+def test_a_second_load_of_an_architecture_traces_no_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each network's expected shapes are traced once per architecture and dtype (seconds for a
+    UNet), not at every load; another dtype is another architecture."""
+    from diffusion.nn import parameter_shapes
+
+    traced: list[str] = []
+    eval_shape = jax.eval_shape
+
+    def counted(f: Any, *args: Any) -> Any:
+        if getattr(f, "__name__", None) == "init_params":
+            traced.append(type(f.__self__).__name__)
+        return eval_shape(f, *args)
+
+    monkeypatch.setattr(jax, "eval_shape", counted)
+    parameter_shapes.cache_clear()
+    folder = str(ORACLE / "sd1" / "model")
+    first = load_model(folder)
+    assert sorted(traced) == ["AutoencoderKL", "CLIPTextModel", "UNet2DConditionModel"]
+    second = load_model(folder)
+    assert len(traced) == 3
+    same_params(first, second)
+    load_model(folder, "bfloat16")
+    assert len(traced) == 6
 
 
 def test_an_error_of_an_earlier_component_comes_first(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
-from diffusion.models import LoadedModel, load_model
+from diffusion.models import load_model
 from diffusion.sharding import MODEL, choose_model_parallel, make_mesh, weight_shardings, weight_spec
 from renderfarm.jobs import JobError, JobSpec
 from worker.engine import Engine

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax.errors import FlaxError
 from jax.sharding import NamedSharding, PartitionSpec

@@ -35,17 +35,19 @@ from renderfarm.jobs import JobError
 log = logging.getLogger(__name__)
 
 LIBRARIES = ("jax", "jaxlib", "flax")
-# What the traced function runs: the engine, the shared loop, the networks, schedulers and families.
-DEVICE_CODE = ("engine.py", "generate.py", "nn/*.py", "schedulers/*.py", "families/*.py")
+# What the traced function runs: the engine, and the model layer's loop, networks, schedulers,
+# families and sharding (paths from the repository's root).
+DEVICE_CODE = ("worker/engine.py", "diffusion/generate.py", "diffusion/family.py", "diffusion/sharding.py",
+               "diffusion/nn/*.py", "diffusion/schedulers/*.py", "diffusion/families/*.py")
 
 
 @functools.cache
 def _environment() -> dict[str, dict[str, str]]:
     """What every program here depends on besides its own parts (read once per process)."""
-    here = Path(__file__).parent
-    files = sorted(path for pattern in DEVICE_CODE for path in here.glob(pattern))
+    root = Path(__file__).parent.parent
+    files = sorted(path for pattern in DEVICE_CODE for path in root.glob(pattern))
     return {"libraries": {name: metadata.version(name) for name in LIBRARIES},
-            "code": {path.relative_to(here).as_posix(): hashlib.sha256(path.read_bytes()).hexdigest()
+            "code": {path.relative_to(root).as_posix(): hashlib.sha256(path.read_bytes()).hexdigest()
                      for path in files}}
 
 
