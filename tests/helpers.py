@@ -153,6 +153,13 @@ def max_diffs(engine: Engine, model: LoadedModel, jobs: list[dict[str, Any]], im
             for job, result in zip(jobs, rendered)]
 
 
+def worst(images: list[np.ndarray], files: list[Path]) -> int:
+    """The largest channel difference between images and the PNG files they are held to, in order."""
+    wanted = [np.asarray(Image.open(file).convert("RGB")).astype(int) for file in files]
+    assert [image.shape for image in images] == [want.shape for want in wanted]
+    return max(int(np.abs(image.astype(int) - want).max()) for image, want in zip(images, wanted))
+
+
 def same_params(a: LoadedModel, b: LoadedModel) -> None:
     """The same parameters, bit for bit, component by component."""
     assert a.params.keys() == b.params.keys()

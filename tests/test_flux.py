@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from PIL import Image
 
 from diffusion.families import FAMILIES
 from diffusion.families.flux import pack, unpack
@@ -21,7 +20,7 @@ from diffusion.family import Geometry
 from diffusion.models import LoadedModel, load_model
 from diffusion.tokenizer import T5Tokenizer
 from renderfarm.jobs import JobError, JobSpec, parse_job
-from tests.helpers import render_command
+from tests.helpers import render_command, worst
 from worker.engine import Engine
 
 DATA = Path(__file__).parent / "data" / "flux"
@@ -39,14 +38,9 @@ def jobs_of(variant: str) -> list[dict[str, Any]]:
     return [job for job in JOBS if job["model"] == f"{variant}/model"]
 
 
-def expected(job: dict[str, Any]) -> np.ndarray:
-    return np.asarray(Image.open(DATA / job["image"]).convert("RGB")).astype(int)
-
-
-def worst(images: list[np.ndarray], jobs: list[dict[str, Any]]) -> int:
-    """The largest pixel difference from diffusers' images (printed for the report)."""
-    assert [image.shape for image in images] == [expected(job).shape for job in jobs]
-    return max(int(np.abs(image.astype(int) - expected(job)).max()) for image, job in zip(images, jobs))
+def images_of(jobs: list[dict[str, Any]]) -> list[Path]:
+    """diffusers' images of the jobs."""
+    return [DATA / job["image"] for job in jobs]
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
@@ -69,7 +63,7 @@ def test_the_engine_renders_diffusers_images(engine: Engine, variant: str) -> No
     jobs = jobs_of(variant)
     assert len(jobs) == 3 and {(j["width"], j["height"]) for j in jobs} == {(64, 64), (64, 128)}
     images = [r.image for r in engine.render([spec(job, engine.model.ref) for job in jobs])]
-    difference = worst(images, jobs)
+    difference = worst(images, images_of(jobs))
     print(f"{variant}: engine max difference {difference}/255")
     assert difference <= TOLERANCE
     assert len({image.tobytes() for image in images}) == len(jobs)
@@ -100,7 +94,7 @@ def test_dev_takes_the_guidance_scale_and_schnell_ignores_it(engine: Engine, var
 def test_render_command_renders_diffusers_images(variant: str, tmp_path: Path) -> None:
     jobs = jobs_of(variant)
     by_seed = render_command(jobs, tmp_path, "--model", str(DATA / variant / "model"))
-    difference = worst([by_seed[job["seed"]] for job in jobs], jobs)
+    difference = worst([by_seed[job["seed"]] for job in jobs], images_of(jobs))
     print(f"{variant}: renderfarm render max difference {difference}/255")
     assert difference <= TOLERANCE
 
@@ -111,7 +105,7 @@ def test_weights_split_over_devices_render_the_same_images() -> None:
     split = load_model(str(DATA / "dev" / "model"), model_parallel=4)
     assert split.model_parallel == 4
     images = [r.image for r in Engine(split).render([spec(job, split.ref) for job in jobs])]
-    difference = worst(images, jobs)
+    difference = worst(images, images_of(jobs))
     print(f"dev, model_parallel 4: max difference {difference}/255")
     assert difference <= TOLERANCE
 

@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from PIL import Image
 from safetensors.numpy import load_file, save_file
 
 from diffusion.families import FAMILIES
@@ -24,7 +23,7 @@ from diffusion.models import load_model
 from diffusion.nn.flux import FluxConfig
 from diffusion.weights import WeightsError, read_header
 from renderfarm.jobs import JobError, JobSpec
-from tests.helpers import render_command
+from tests.helpers import render_command, worst
 from worker.engine import Engine
 
 DATA = Path(__file__).parent / "data"
@@ -69,13 +68,6 @@ def rewritten(tmp_path: Path, variant: str, fmt: str, change) -> Path:
     path = tmp_path / f"{variant}-{fmt}.safetensors"
     save_file(change(load_file(lora_path(variant, fmt))), path)
     return path
-
-
-def worst(images: list[np.ndarray], files: list[Path]) -> int:
-    """The largest pixel difference between our images and PNG files."""
-    wanted = [np.asarray(Image.open(file).convert("RGB")).astype(int) for file in files]
-    assert [image.shape for image in images] == [want.shape for want in wanted]
-    return max(int(np.abs(image.astype(int) - want).max()) for image, want in zip(images, wanted))
 
 
 # ------------------------------------------------------------------------------------------- the deltas
