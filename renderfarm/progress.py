@@ -216,7 +216,7 @@ class Progress:
             queued = max(0, open_jobs - running)
         submitted_at, first, last, device_seconds = (
             float(times.get(k, 0)) for k in (b"first_submitted", b"first_done", b"last_done", b"device_seconds"))
-        rate = (done - 1) / (last - first) if done > 1 and last > first else None
+        rate = _rate(done, submitted_at, first, last)
         left = queued + running if window is None else \
             max(queued + running, counts.get("jobs", 0) - done - len(failed) - cancelled)
         # A counted campaign is finished once a run has fed it all, not when its window runs dry.
@@ -244,6 +244,17 @@ class Progress:
             "window": window,
             "jobs": counts.get("jobs"),
         }
+
+
+def _rate(done: int, submitted_at: float, first: float, last: float) -> float | None:
+    """Images per second between the first and the last images stored; while every done image
+    came in one store (a first batch, or batches stored together), over the time since the
+    first submission instead, so a running campaign has a rate as soon as it has an image."""
+    if done > 1 and last > first:
+        return (done - 1) / (last - first)
+    if done and submitted_at and last > submitted_at:
+        return done / (last - submitted_at)
+    return None
 
 
 def _by_campaign(jobs: Iterable[tuple[str, str]]) -> dict[str, list[str]]:

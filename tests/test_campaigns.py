@@ -415,6 +415,33 @@ def test_a_job_counts_once_in_the_state_it_ends_in(redis_server: RedisServer, wi
     assert counts() == ended
 
 
+def test_a_running_campaign_has_a_rate_and_an_eta_from_its_first_store(redis_server: RedisServer) -> None:
+    """Status mid-way: with every done image from one store (a worker storing two batches
+    together), the rate is over the time since submission; once images came in two stores, it
+    is over the time between them. The ETA is the jobs left at that rate."""
+    client = redis_server.client()
+    client.flushall()
+    progress = Progress(client)
+    ids = [f"j{i}" for i in range(8)]
+    progress.submitted("rate", ids, "rf.q")
+    assert progress.status("rate")["images_per_second"] is None  # nothing done: no rate
+    progress.started(("rate", job_id) for job_id in ids)
+    time.sleep(0.05)
+    progress.finished([("rate", job_id) for job_id in ids[:4]])
+    report = progress.status("rate")
+    times = {k.decode(): float(v) for k, v in client.hgetall("rf:c:rate:times").items()}
+    assert times["first_done"] == times["last_done"]
+    since = times["last_done"] - times["first_submitted"]
+    assert report["images_per_second"] == pytest.approx(4 / since)
+    assert report["eta_seconds"] == pytest.approx(4 / report["images_per_second"])
+    time.sleep(0.05)
+    progress.finished([("rate", job_id) for job_id in ids[4:6]])
+    times = {k.decode(): float(v) for k, v in client.hgetall("rf:c:rate:times").items()}
+    report = progress.status("rate")
+    assert report["images_per_second"] == pytest.approx(5 / (times["last_done"] - times["first_done"]))
+    assert report["eta_seconds"] == pytest.approx(2 / report["images_per_second"])
+
+
 def test_a_windowed_run_leaves_open_only_its_own_jobs_and_lifts_a_cancel_with_nothing_to_send(
         broker: str, redis_server: RedisServer, tmp_path: Path) -> None:
     """Rows edited out since the last run leave open ids that are not the spec's: the run still
