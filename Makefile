@@ -31,10 +31,11 @@ demo: $(BIN)/.installed
 
 # Three test processes on two cores: compiling is single-threaded, and many tests spend their
 # time waiting (on worker processes, on Redis, on a schedule's clock). tests/conftest.py keeps the
-# farm's tests to one process and gives them all one compile cache.
+# farm's tests to one process and gives them all one compile cache. The run ends with its 25
+# slowest steps (setups included), where to look first to make it faster.
 TEST_PROCESSES ?= 3
 test: $(BIN)/.installed system-packages
-	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES)
+	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) --durations=25
 
 # A change's inner loop: everything but the farm's worker processes, the oracle's renders and Chromium.
 check: $(BIN)/.installed system-packages

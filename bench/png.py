@@ -95,7 +95,7 @@ def gallery(photos: list[np.ndarray], repeats: int) -> None:
     print(f"thumbnail ({THUMB_SIZE} px JPEG), median over the photographs: box-reduced first {box:.2f} ms, "
           f"Lanczos from full size {lanczos:.2f} ms")
     thumbs = [make_thumbnail(images[i % len(images)]) for i in range(64)]
-    with Image.open(io.BytesIO(contact_sheet(thumbs))) as sheet:
+    with Image.open(io.BytesIO(contact_sheet(thumbs, len(thumbs)))) as sheet:
         sheet.load()
         fast, small = png_bytes(sheet, compress_level=1), png_bytes(sheet, optimize=True)
         fast_ms = cpu_ms(lambda im: png_bytes(im, compress_level=1), sheet, repeats)

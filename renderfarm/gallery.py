@@ -20,12 +20,13 @@ import html
 import io
 import logging
 import math
+import re
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from PIL import Image
+from PIL import Image, PngImagePlugin
 
 from renderfarm.jobs import JobError, check_campaign
 from renderfarm.layout import image_name, index_name, preview_name, thumbnail_name
@@ -46,6 +47,8 @@ DEFAULT_TILES = 64  # thumbnails on preview.png (8 x 8)
 TILE_GAP = 4  # px between contact sheet tiles
 EAGER_IMAGES = 64  # the first screenfuls load at once, the rest lazily
 FETCH_THREADS = 8
+_SHEET_TOTAL = "renderfarm total"  # the contact sheet's text chunk: the images its refresh counted
+_PAGE_TOTAL = re.compile(rb'<span id="total">([\d,]+) images</span>')
 
 
 # --------------------------------------------------------------------------- thumbnails
@@ -105,8 +108,9 @@ def grid_shape(tiles: int) -> tuple[int, int]:
     return columns, max(1, math.ceil(tiles / columns))
 
 
-def contact_sheet(thumbs: list[bytes], tile: int = THUMB_SIZE, gap: int = TILE_GAP) -> bytes:
-    """A PNG grid of thumbnails, newest first, each centred in a ``tile`` px square."""
+def contact_sheet(thumbs: list[bytes], total: int, tile: int = THUMB_SIZE, gap: int = TILE_GAP) -> bytes:
+    """A PNG grid of thumbnails, newest first, each centred in a ``tile`` px square; it
+    states the campaign's ``total`` images in a text chunk, as index.html does on the page."""
     columns, rows = grid_shape(len(thumbs))
     sheet = Image.new("RGB", (columns * (tile + gap) + gap, rows * (tile + gap) + gap), (32, 32, 32))
     for i, data in enumerate(thumbs):
@@ -119,7 +123,9 @@ def contact_sheet(thumbs: list[bytes], tile: int = THUMB_SIZE, gap: int = TILE_G
     out = io.BytesIO()
     # zlib level 1, not `optimize=True`: a worker refreshes this every 30 s per running
     # campaign (bench/png.py times both ways and gives both sizes).
-    sheet.save(out, format="PNG", compress_level=1)
+    text = PngImagePlugin.PngInfo()
+    text.add_text(_SHEET_TOTAL, str(total))
+    sheet.save(out, format="PNG", compress_level=1, pnginfo=text)
     return out.getvalue()
 
 
@@ -235,12 +241,36 @@ def refresh(storage: Storage, campaign: str, *, limit: int = DEFAULT_LIMIT, tile
         if make_thumbnails:
             made = sum(pool.map(lambda job_id: _ensure_thumbnail(storage, campaign, job_id), ids))
         thumbs = list(pool.map(lambda job_id: _thumbnail(storage, campaign, job_id), ids[:tiles]))
-    # Both are rebuilt from the manifest by every refresh: no fsync.
-    storage.put(preview_name(campaign), contact_sheet(thumbs), "image/png", sync=False)
     page = render_index(campaign, shown, total, manifest_link=isinstance(storage, LocalStorage))
-    storage.put(index_name(campaign), page.encode("utf-8"), "text/html; charset=utf-8", sync=False)
+    publish(storage, campaign, total, contact_sheet(thumbs, total), page.encode("utf-8"))
     return Gallery(campaign, total, len(shown), len(thumbs), made,
                    storage.url(index_name(campaign)), storage.url(preview_name(campaign)))
+
+
+def publish(storage: Storage, campaign: str, total: int, sheet: bytes, page: bytes) -> bool:
+    """Store a refresh's contact sheet and page, each unless the one stored counts more images.
+
+    Every worker refreshes on its own, so a refresh may land after a newer one of another
+    worker (its upload slow, its process paused): kept out, it cannot set the gallery back.
+    Both are rebuilt from the manifest by every refresh: no fsync. True if both were stored."""
+    stored_sheet = storage.replace_unless(preview_name(campaign), sheet, "image/png",
+                                          lambda stored: _sheet_total(stored) > total, sync=False)
+    stored_page = storage.replace_unless(index_name(campaign), page, "text/html; charset=utf-8",
+                                         lambda stored: _page_total(stored) > total, sync=False)
+    return stored_sheet and stored_page
+
+
+def _page_total(page: bytes) -> int:
+    found = _PAGE_TOTAL.search(page)
+    return int(found[1].replace(b",", b"")) if found else 0
+
+
+def _sheet_total(sheet: bytes) -> int:
+    try:
+        with Image.open(io.BytesIO(sheet)) as image:
+            return int(image.info.get(_SHEET_TOTAL, 0))
+    except (OSError, ValueError):  # not a contact sheet of ours: replace it
+        return 0
 
 
 class Refresher:

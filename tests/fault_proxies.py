@@ -45,6 +45,7 @@ class Rule:
     hold: bool = False  # keep them waiting until `release()`
     status: int | None = None  # answer this instead of forwarding
     times: int | None = None  # apply to this many requests, then stop (None: until removed)
+    method: str | None = None  # only requests of this HTTP method (None: any)
     after: Callable[[Seen], None] | None = None  # run once the emulator answered, before the worker hears
     held: threading.Event = dataclasses.field(default_factory=threading.Event)  # set: one is held
     go: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -137,7 +138,8 @@ class GcsProxy:
         with self._lock:
             self.seen.append(seen)
             for rule in self.rules:
-                if re.search(rule.pattern, seen.name) and (rule.times is None or rule.matched < rule.times):
+                if (re.search(rule.pattern, seen.name) and rule.method in (None, seen.method)
+                        and (rule.times is None or rule.matched < rule.times)):
                     rule.hits.append(seen)
                     return rule
         return None

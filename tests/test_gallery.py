@@ -6,6 +6,7 @@ import io
 import json
 import shutil
 import subprocess
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -15,9 +16,10 @@ import pytest
 from PIL import Image
 
 from renderfarm import gallery
-from renderfarm.layout import index_name, manifest_name, thumbnail_name
+from renderfarm.layout import index_name, manifest_name, preview_name, thumbnail_name
 from renderfarm.storage import Storage, open_storage
 from renderfarm_cli import main
+from tests.fault_proxies import GcsProxy, Rule
 from tests.gcs_emulator import GcsEmulator
 from tests.helpers import COLOURS, HOSTILE, append_raw, store_results
 
@@ -159,6 +161,49 @@ def test_gallery_on_gcs(sd_model: Any, gcs: GcsEmulator) -> None:
     blob = storage.client.bucket(bucket).get_blob("renders/c7/index.html")
     assert blob.content_type.startswith("text/html") and "2 images" in blob.download_as_text()
     assert Image.open(io.BytesIO(storage.get("c7/preview.png"))).size == (2 * 132 + 4, 132 + 4)
+
+
+def test_a_gallery_is_replaced_only_by_one_that_counts_as_many_images(sd_model: Any, local: Storage) -> None:
+    """The page and the contact sheet each state their count; a refresh that counted fewer
+    images leaves both as they are, one that counted as many replaces them."""
+    store_results(local, sd_model, "c10", COLOURS[:4])
+    gallery.refresh(local, "c10")
+    names = (index_name("c10"), preview_name("c10"))
+    stored = [local.get(name) for name in names]
+
+    def files(total: int) -> tuple[bytes, bytes]:
+        return gallery.contact_sheet([], total), gallery.render_index("c10", [], total).encode()
+
+    assert not gallery.publish(local, "c10", 3, *files(3))
+    assert [local.get(name) for name in names] == stored
+    assert gallery.publish(local, "c10", 4, *files(4))
+    assert "4 images" in local.get(names[0]).decode() and local.get(names[1]) == files(4)[0]
+
+
+def test_a_refresh_that_lands_late_does_not_set_the_gallery_back(sd_model: Any, gcs: GcsEmulator,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two workers refresh a campaign's gallery: the first one's page upload is held up while
+    the second stores a newer gallery; when it lands, the newer page and sheet stay."""
+    bucket = f"g-{uuid.uuid4().hex[:10]}"
+    gcs.create_bucket(bucket)
+    proxy = GcsProxy(gcs.url)
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+    try:
+        storage = open_storage(f"gs://{bucket}/renders")
+        store_results(storage, sd_model, "c9", COLOURS[:2])
+        held = proxy.add(Rule(r"c9/index\.html$", hold=True, method="POST", times=1))
+        late = threading.Thread(target=gallery.refresh, args=(storage, "c9"))
+        late.start()
+        assert held.held.wait(60), "the first refresh's page upload"
+        store_results(storage, sd_model, "c9", COLOURS[2:4], prompts=["a third", "a fourth"])
+        assert gallery.refresh(storage, "c9").total == 4
+        held.release()
+        late.join(60)
+        assert not late.is_alive()
+        assert "4 images" in storage.get(index_name("c9")).decode()
+        assert Image.open(io.BytesIO(storage.get(preview_name("c9")))).size == (2 * 132 + 4,) * 2  # 4 tiles
+    finally:
+        proxy.close()
 
 
 def test_a_refresh_reads_only_the_manifest_lines_written_since_the_last(sd_model: Any, local: Storage) -> None:

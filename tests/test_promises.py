@@ -133,6 +133,8 @@ def test_workers_keep_index_and_preview_fresh_while_a_campaign_runs(farm: Farm, 
         assert first is not None and 0 < first < n, "the first batch should show at once, mid-campaign"
         wait_until(seen_at + GALLERY_INTERVAL + 0.5)  # the refresh interval the worker promises
         assert farm.progress.status(campaign)["done"] < n
+    # A refresh that began before the block lands as it ends, after the other worker's newer
+    # one: it must not set the page back (renderfarm.gallery.publish).
     wait_for(lambda: gallery_total(bucket, campaign) != first, 60, "a refresh after 30 s", interval=0.05)
     second = gallery_total(bucket, campaign)
     assert second is not None and first < second < n, \

@@ -168,6 +168,60 @@ def test_package_imports_without_jax():
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
 
 
+def test_replace_unless_stores_what_is_not_kept(store):
+    """A new name is stored; a stored file is replaced unless `keep` (shown the stored bytes)
+    says to keep it."""
+    seen = []
+    assert store.replace_unless("c/page.html", b"2 images", "text/html", lambda stored: seen.append(stored))
+    assert store.get("c/page.html") == b"2 images" and seen == []  # nothing there: nothing to look at
+    assert store.replace_unless("c/page.html", b"4 images", "text/html", lambda stored: stored > b"4")
+    assert not store.replace_unless("c/page.html", b"3 images", "text/html", lambda stored: stored > b"3")
+    assert store.get("c/page.html") == b"4 images"
+
+
+def test_replace_unless_looks_again_after_a_write_between_its_look_and_its_store(gcs):
+    """Another worker's upload lands after this call looked: its store would set the object
+    back, so the generation precondition fails it and it looks again, and keeps the newer one."""
+    s = GCSStorage(_new_bucket(gcs), retry=FAST_RETRY)
+    s.put("c/page.html", b"2 images", "text/html")
+    looked = []
+
+    def keep(stored: bytes) -> bool:
+        looked.append(stored)
+        if len(looked) == 1:
+            s.put("c/page.html", b"4 images", "text/html")  # lands between the look and the store
+        return stored > b"3"
+
+    assert not s.replace_unless("c/page.html", b"3 images", "text/html", keep)
+    assert looked == [b"2 images", b"4 images"] and s.get("c/page.html") == b"4 images"
+
+
+def test_local_replace_unless_waits_for_another_ones_look_and_store(tmp_path):
+    """Two writers of a local folder: the second looks only once the first has stored."""
+    s = open_storage(str(tmp_path / "root"))
+    looking, go = threading.Event(), threading.Event()
+
+    def first_keep(stored: bytes) -> bool:
+        looking.set()
+        assert go.wait(30)
+        return False
+
+    s.put("c/page.html", b"2 images", "text/html")
+    first = threading.Thread(target=s.replace_unless, args=("c/page.html", b"4 images", "text/html", first_keep))
+    first.start()
+    assert looking.wait(30)
+    seen = []
+    second = threading.Thread(target=s.replace_unless,
+                              args=("c/page.html", b"3 images", "text/html", lambda b: seen.append(b) or b > b"3"))
+    second.start()
+    second.join(0.5)
+    assert second.is_alive() and seen == []  # waiting on the first one's lock
+    go.set()
+    first.join(30)
+    second.join(30)
+    assert seen == [b"4 images"] and s.get("c/page.html") == b"4 images"
+
+
 # --------------------------------------------------------------------------- emulator honesty
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from renderfarm.retry import RetryPolicy
 
@@ -45,6 +45,14 @@ class Storage(abc.ABC):
         """Store ``data`` under ``name`` (overwrites; repeating with the same bytes is harmless).
         ``sync=False`` is for files remade from others when missing (gallery thumbnails):
         stored whole, but a crash of the machine may lose them, so no fsync is paid."""
+
+    @abc.abstractmethod
+    def replace_unless(self, name: str, data: bytes, content_type: str, keep: Callable[[bytes], bool],
+                       sync: bool = True) -> bool:
+        """Store ``data`` under ``name`` unless ``keep(what is there)`` says to keep it; False
+        if kept. Atomic against other calls of it on the same name (a write between the look
+        and the store makes it look again), so writers that each keep what is newer than theirs
+        never replace a newer file with an older one, whatever order their requests land in."""
 
     @abc.abstractmethod
     def get(self, name: str) -> bytes:

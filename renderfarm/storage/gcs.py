@@ -147,6 +147,32 @@ class GCSStorage(Storage):
 
         return self._run(op, f"create {self.url(name)}")
 
+    def replace_unless(self, name: str, data: bytes, content_type: str, keep: Callable[[bytes], bool],
+                       sync: bool = True) -> bool:
+        """Reads the object at its generation and uploads with ``if_generation_match`` on it
+        (0: nothing there); another upload between the two makes the precondition fail, and it
+        looks again."""
+        from google.api_core.exceptions import NotFound, PreconditionFailed
+
+        data = bytes(data)
+
+        def op() -> bool:
+            while True:
+                blob = self.client.bucket(self.bucket_name).get_blob(self._key(name), retry=None,
+                                                                     timeout=self.timeout)
+                try:
+                    # a blob from get_blob downloads its own generation: NotFound once replaced
+                    if blob is not None and keep(blob.download_as_bytes(retry=None, timeout=self.timeout)):
+                        return False
+                    self._blob(name).upload_from_string(
+                        data, content_type=content_type, if_generation_match=0 if blob is None else blob.generation,
+                        retry=None, timeout=self.timeout)
+                    return True
+                except (NotFound, PreconditionFailed):
+                    continue  # written or removed since the look: look again
+
+        return self._run(op, f"replace {self.url(name)}")
+
     def url(self, name: str) -> str:
         return f"gs://{self.bucket_name}/{self._key(name)}"
 

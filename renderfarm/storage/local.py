@@ -3,9 +3,10 @@ caller acknowledges a queue after storing."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from renderfarm.retry import DEFAULT_RETRY, RetryPolicy, with_retries
@@ -100,6 +101,30 @@ class LocalStorage(Storage):
                 _fsync_dir(path.parent)
 
         with_retries(op, self.retry, f"put {path}", local=True)
+
+    def replace_unless(self, name: str, data: bytes, content_type: str, keep: Callable[[bytes], bool],
+                       sync: bool = True) -> bool:
+        """The look and the store under an exclusive lock of the file's folder (flock), which
+        every writer of the host that replaces through this method takes."""
+        path = self.path(name)
+
+        def op() -> bool:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                fcntl.flock(folder, fcntl.LOCK_EX)  # released when the descriptor closes
+                try:
+                    stored: bytes | None = path.read_bytes()
+                except FileNotFoundError:
+                    stored = None
+                if stored is not None and keep(stored):
+                    return False
+                self.put(name, data, content_type, sync=sync)
+                return True
+            finally:
+                os.close(folder)
+
+        return with_retries(op, self.retry, f"replace {path}", local=True)
 
     def get(self, name: str) -> bytes:
         path = self.path(name)
