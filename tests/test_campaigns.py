@@ -423,21 +423,23 @@ def test_a_running_campaign_has_a_rate_and_an_eta_from_its_first_store(redis_ser
     client.flushall()
     progress = Progress(client)
     ids = [f"j{i}" for i in range(8)]
+
+    def stamps() -> dict[str, float]:
+        return {k.decode(): float(v) for k, v in client.hgetall("rf:c:rate:times").items()}
+
     progress.submitted("rate", ids, "rf.q")
     assert progress.status("rate")["images_per_second"] is None  # nothing done: no rate
     progress.started(("rate", job_id) for job_id in ids)
     time.sleep(0.05)
     progress.finished([("rate", job_id) for job_id in ids[:4]])
-    report = progress.status("rate")
-    times = {k.decode(): float(v) for k, v in client.hgetall("rf:c:rate:times").items()}
+    report, times = progress.status("rate"), stamps()
     assert times["first_done"] == times["last_done"]
     since = times["last_done"] - times["first_submitted"]
     assert report["images_per_second"] == pytest.approx(4 / since)
     assert report["eta_seconds"] == pytest.approx(4 / report["images_per_second"])
     time.sleep(0.05)
     progress.finished([("rate", job_id) for job_id in ids[4:6]])
-    times = {k.decode(): float(v) for k, v in client.hgetall("rf:c:rate:times").items()}
-    report = progress.status("rate")
+    report, times = progress.status("rate"), stamps()
     assert report["images_per_second"] == pytest.approx(5 / (times["last_done"] - times["first_done"]))
     assert report["eta_seconds"] == pytest.approx(2 / report["images_per_second"])
 
