@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 
 import jax
@@ -62,6 +63,20 @@ SPLASH_BLOCK = 512  # splash's query and key blocks where the sequences are that
 CUDNN_MAX_HEAD_DIM = 128  # jax allows 256 on Hopper and later; the rule may not know the GPU
 
 _kernel: contextvars.ContextVar[str | None] = contextvars.ContextVar("attention_kernel", default=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One attention as traced: the kernel it took, for T queries over S keys in N heads of H."""
+
+    kernel: str
+    queries: int
+    keys: int
+    heads: int
+    head_dim: int
+
+
+_calls: contextvars.ContextVar[list[Call] | None] = contextvars.ContextVar("attention_calls", default=None)
 
 
 def current_backend() -> str:
@@ -114,6 +129,18 @@ def use_kernel(name: str) -> Iterator[None]:
 use_layout = use_kernel  # its name when it chose among LAYOUTS only (bench/modules.py, tests)
 
 
+@contextlib.contextmanager
+def recording() -> Iterator[list[Call]]:
+    """The attentions traced inside the block, in order, each with the kernel it took
+    (`renderfarm plan` reports them; a loop's body is traced once, so a call site counts once)."""
+    calls: list[Call] = []
+    token = _calls.set(calls)
+    try:
+        yield calls
+    finally:
+        _calls.reset(token)
+
+
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, heads: int, causal: bool = False,
               bias: jax.Array | None = None, scale: float | None = None) -> jax.Array:
     """Multi-head attention of q (B, T, heads*H) over k, v (B, S, heads*H) -> (B, T, heads*H),
@@ -124,10 +151,19 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, heads: int, causal: bool
     split = lambda x: x.reshape(x.shape[0], x.shape[1], heads, inner // heads)  # noqa: E731
     q, k, v = split(q), split(k), split(v)
     if bias is not None or scale is not None:
+        _record("heads", q.shape, k.shape)
         out = jax.nn.dot_product_attention(q, k, v, bias=bias, scale=scale, is_causal=causal, implementation="xla")
         return out.reshape(b, t, inner)
     kernel = _kernel.get() or choose(current_backend(), q.shape, k.shape, q.dtype, causal)
+    _record(kernel, q.shape, k.shape)
     return _IMPLEMENTATIONS[kernel](q, k, v, causal).reshape(b, t, inner)
+
+
+def _record(kernel: str, q_shape: Sequence[int], k_shape: Sequence[int]) -> None:
+    """Note the kernel an attention took, inside a `recording` block."""
+    calls = _calls.get()
+    if calls is not None:
+        calls.append(Call(kernel, q_shape[1], k_shape[1], q_shape[2], q_shape[3]))
 
 
 def _scores_softmax(scores: jax.Array, scale: float, causal: bool, dtype: jnp.dtype) -> jax.Array:
