@@ -1,9 +1,9 @@
 """What a model family is: the components a pipeline folder holds, its tokenizers and the
 inputs it makes of a batch's jobs, the pipeline classes it answers to, how it generates, the
-image sizes it renders, what a denoiser call costs, what its LoRAs may change, and how a tiny
-random model of it is built. The loader, the engine and the device program use nothing else
-of a family: they pass its inputs along without looking inside. The families themselves are
-diffusion/families."""
+image sizes it renders, what a denoiser call costs, what its LoRAs may change, how its weights
+split over devices, and how a tiny random model of it is built. The loader, the engine and the
+device program use nothing else of a family: they pass its inputs along without looking
+inside. The families themselves are diffusion/families."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import flax.linen as nn
 import numpy as np
 
 from diffusion.lora import LoraTargets
+from diffusion.sharding import TensorParallel
 from renderfarm.jobs import SCHEDULERS
 
 # The samplers of the DDPM training schedule (the UNet models'): all the contract's but flow_euler.
@@ -93,3 +94,6 @@ class Family:
     # the components a LoRA may change (the UNet and CLIP text encoders by default) and how kohya files
     # name the denoiser's modules (diffusion/lora.py)
     loras: LoraTargets = LoraTargets()
+    # component -> how its weights split over a mesh's model axis (diffusion.sharding); the
+    # components not named (VAE, text encoders) stay whole on every device
+    tensor_parallel: Mapping[str, TensorParallel] = dataclasses.field(default_factory=dict)

@@ -11,8 +11,9 @@ from its config.json (diffusion/nn), its weights from safetensors or Flax msgpac
 sha256 of every weights file used is kept for the sidecars (diffusion/digests.py). Nothing
 here imports torch, diffusers or transformers.
 
-The weights go straight to the devices, replicated (diffusion/weights.py's device path: files read
-in parallel, moved as stored, permuted and cast on the devices), and the load is logged:
+The weights go straight to the devices where diffusion/placement.py puts them: replicated by
+diffusion/weights.py's device path (files read in parallel, moved as stored, permuted and cast
+on the devices), or split over devices from the host, shard by shard; the load is logged:
 `loaded MODEL (DTYPE) in X s: N tensors, G GB on D devices`.
 
 Buckets are read through an opener the application registers for their scheme
@@ -39,7 +40,7 @@ from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 from tqdm import tqdm
 
 from diffusion.digests import file_sha256
@@ -48,7 +49,8 @@ from diffusion.family import Family, Networks, Tokenizer
 from diffusion.lora import Patch, read_lora
 from diffusion.nn import parameter_shapes
 from diffusion.schedulers import CLASS_NAMES
-from diffusion.sharding import choose_model_parallel, make_mesh, weight_shardings
+from diffusion.placement import Placement, make_placement
+from diffusion.sharding import choose_model_parallel
 from diffusion.single_file import check_family, read_single_file
 from diffusion.tokenizer import TokenizerError
 from diffusion.weights import (
@@ -77,8 +79,8 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class LoadedModel:
-    """A pipeline's networks, weights (on the devices, replicated), tokenizers and configs, and
-    where they came from."""
+    """A pipeline's networks, weights (on the devices, as `placement` put them), tokenizers and
+    configs, and where they came from."""
 
     ref: str
     revision: str | None
@@ -86,13 +88,14 @@ class LoadedModel:
     dtype: str
     variant: str | None
     networks: Networks
-    params: dict[str, Any]  # component -> parameter tree (jax arrays, replicated over the load's devices)
+    params: dict[str, Any]  # component -> parameter tree (jax arrays placed by `placement`)
     tokenizers: list[Tokenizer]
     configs: dict[str, dict[str, Any]]  # component -> config.json, "scheduler" included
     base: str | None = None  # a single file's base pipeline, as the jobs name it (None: the default)
     loras: tuple[Lora, ...] | None = None  # as the jobs name them
     weights: tuple[dict[str, Any], ...] = ()  # every weights file used: role, file, sha256 (and a LoRA's scale)
-    model_parallel: int = 1  # devices that share one copy of the weights (diffusion.sharding)
+    model_parallel: int = 1  # devices that share one copy of the weights (diffusion.placement)
+    placement: Placement | None = None  # where the weights are (None: shapes only, not placed)
 
     def inputs(self, prompts: Sequence[str], negatives: Sequence[str], seeds: Sequence[int],
                guidance: Sequence[float]) -> tuple[Any, list[bool]]:
@@ -298,7 +301,7 @@ def _read_json(ref: str, path: Path) -> dict[str, Any]:
 def replicated(devices: Sequence[jax.Device] | None = None) -> NamedSharding:
     """Whole copies on each of `devices` (default: all local devices), on the mesh the engine
     keeps its weights on (so it keeps them without a copy)."""
-    return NamedSharding(make_mesh(list(devices or jax.local_devices()), 1), PartitionSpec())
+    return make_placement(list(devices or jax.local_devices()), 1).replicated
 
 
 def load_model(ref: str, dtype: str = "float32", variant: str | None = None, base: str | None = None,
@@ -309,8 +312,8 @@ def load_model(ref: str, dtype: str = "float32", variant: str | None = None, bas
     scale) into its weights. With bfloat16 the weights are cast (after merging); the
     schedulers keep their state in float32 whatever the dtype. The weights are placed on
     `devices` (default: all local devices) before this returns: a whole copy on each, or
-    with `model_parallel` N > 1 one copy per N devices, split over them (diffusion.sharding;
-    None: the fewest that fit the devices' memory). The time it took is logged."""
+    with `model_parallel` N > 1 one copy per N devices, split over them as its family states
+    (diffusion.placement; None: the fewest that fit the devices' memory). The time it took is logged."""
     started = time.perf_counter()
     if dtype not in DTYPES:
         raise JobError("dtype", dtype, f"must be one of {', '.join(DTYPES)}")
@@ -335,12 +338,9 @@ def load_model(ref: str, dtype: str = "float32", variant: str | None = None, bas
     devices = list(devices or jax.local_devices())
     if model_parallel is None:
         model_parallel = _fitting_model_parallel(ref, folder, family, sources, dtype, devices)
-    try:
-        mesh = make_mesh(devices, model_parallel)
-    except ValueError as err:
-        raise JobError("model_parallel", model_parallel, f"must divide the {len(devices)} devices") from err
+    placement = make_placement(devices, model_parallel)
     # Split weights are converted on the host and placed shard by shard; whole copies go the fast way.
-    sharding = replicated(devices) if model_parallel == 1 else None
+    sharding = placement.replicated if model_parallel == 1 else None
     modules: dict[str, Any] = {}
     # Each component's weights load on a thread of their own, in order, while the next component's
     # expected shapes are traced here (seconds for a UNet, once per architecture: diffusion.nn.parameter_shapes).
@@ -365,7 +365,7 @@ def load_model(ref: str, dtype: str = "float32", variant: str | None = None, bas
             raise
         params = {name: future.result() for name, future in loading.items()}
     if model_parallel > 1:
-        params = {name: jax.device_put(tree, weight_shardings(tree, mesh)) for name, tree in params.items()}
+        params = placement.place(family, params)
     try:
         tokenizers = [load(folder / name) for name, load in family.tokenizers.items()]
     except TokenizerError as err:
@@ -378,7 +378,7 @@ def load_model(ref: str, dtype: str = "float32", variant: str | None = None, bas
              f", split over {model_parallel} per copy" if model_parallel > 1 else "")
     return LoadedModel(ref=ref, revision=revision, family=family, dtype=dtype, variant=variant, networks=networks,
                        params=params, tokenizers=tokenizers, configs=configs, base=base, loras=loras or None,
-                       weights=tuple(weights), model_parallel=model_parallel)
+                       weights=tuple(weights), model_parallel=model_parallel, placement=placement)
 
 
 def _fitting_model_parallel(ref: str, folder: Path, family: Family, sources: dict[str, dict[str, TensorInfo]],

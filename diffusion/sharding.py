@@ -1,50 +1,69 @@
-"""Where a model's weights live on a host's devices. By default a whole copy on each, and
-batches split over them (data parallel). A model whose weights do not fit one device is
-split over a `model` axis of a (data, model) mesh as well: each weight's largest axis that
-divides evenly is sharded over it (fully sharded data parallel: XLA gathers a weight where a
-computation needs it whole), the others replicated; batches go over the `data` axis."""
+"""How a model's weights split over the `model` axis of a (data, model) device mesh: tensor
+parallelism as Megatron-LM splits a transformer. A family names, per network, the linears
+split by output columns (q, k, v, an MLP's first layer, the modulation linears: the kernel's
+last axis and the bias over `model`) and those split by input rows (the attention output and
+an MLP's second layer: the kernel's first input axis; the bias whole, added once after the
+partial sums are reduced). Every other weight (norms, embeddings, convolutions, the VAE,
+the text encoders) stays whole on each device. So a transformer block needs one all-reduce
+after its attention and one after its MLP, and no weight moves while the model runs.
+
+Which devices and which program use these specs is diffusion/placement.py's.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from collections.abc import Sequence
 from typing import Any
 
 import jax
-import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
 DATA, MODEL = "data", "model"
 WEIGHTS_SHARE = 0.5  # of a device's memory the weights may take; the rest is the programs' working memory
 
 
-def make_mesh(devices: Sequence[jax.Device], model_parallel: int) -> Mesh:
-    """The (data, model) mesh: `model_parallel` devices share each copy of the weights."""
-    if model_parallel < 1 or len(devices) % model_parallel:
-        raise ValueError(f"model_parallel={model_parallel}: must divide the {len(devices)} devices")
-    return Mesh(np.array(devices).reshape(len(devices) // model_parallel, model_parallel), (DATA, MODEL))
+@dataclasses.dataclass(frozen=True)
+class TensorParallel:
+    """A network's Megatron split: regular expressions over its layers' paths (the parameter's
+    path without its leaf, '/'-joined: `transformer_blocks_0/attn/to_q`), matched whole."""
+
+    columns: tuple[str, ...] = ()  # split by output columns
+    rows: tuple[str, ...] = ()  # split by input rows
+
+    def spec(self, path: Sequence[str], shape: Sequence[int], model_parallel: int) -> PartitionSpec:
+        """The weight at `path` (layer path then leaf, `kernel` or `bias`) of `shape`: its split
+        axis over `model`, whole where the rules name no split or `model_parallel` does not
+        divide that axis."""
+        layer, leaf = "/".join(path[:-1]), path[-1]
+        if model_parallel == 1 or not shape:
+            return PartitionSpec()
+        if any(re.fullmatch(pattern, layer) for pattern in self.columns):
+            axis = len(shape) - 1  # a kernel's output axis, a bias's only one
+        elif leaf == "kernel" and any(re.fullmatch(pattern, layer) for pattern in self.rows):
+            axis = len(shape) - 2  # the input axis of a dense (in, out) or conv (..., in, out) kernel
+        else:
+            return PartitionSpec()
+        if shape[axis] % model_parallel:
+            return PartitionSpec()
+        return PartitionSpec(*[MODEL if a == axis else None for a in range(len(shape))])
 
 
-def weight_spec(shape: Sequence[int], model_parallel: int) -> PartitionSpec:
-    """The largest axis that `model_parallel` divides goes over the model axis (the first of
-    equals); a weight with none (biases of odd sizes, scalars) is replicated."""
-    if model_parallel == 1:
-        return PartitionSpec()
-    axes = [axis for axis, size in enumerate(shape) if size % model_parallel == 0]
-    if not axes:
-        return PartitionSpec()
-    axis = max(axes, key=lambda a: (shape[a], -a))
-    return PartitionSpec(*[MODEL if a == axis else None for a in range(len(shape))])
+def weight_specs(rules: dict[str, TensorParallel], params: Any, model_parallel: int) -> Any:
+    """A PartitionSpec per weight of `params` ({component: tree}, arrays or shapes); components
+    without rules stay whole."""
+    def spec(path: tuple[Any, ...], leaf: Any) -> PartitionSpec:
+        names = [str(getattr(key, "key", getattr(key, "idx", key))) for key in path]
+        component = rules.get(names[0])
+        return PartitionSpec() if component is None else component.spec(names[1:], leaf.shape, model_parallel)
 
-
-def weight_shardings(params: Any, mesh: Mesh) -> Any:
-    """A NamedSharding per parameter of `params` (arrays or shapes) on `mesh`."""
-    model_parallel = mesh.shape[MODEL]
-    return jax.tree.map(lambda leaf: NamedSharding(mesh, weight_spec(np.shape(leaf), model_parallel)), params)
+    return jax.tree_util.tree_map_with_path(spec, params)
 
 
 def choose_model_parallel(weight_bytes: int, device_bytes: int | None, devices: int) -> int:
-    """The fewest devices per copy of the weights such that each holds at most WEIGHTS_SHARE of
-    its memory in weights (1 where the backend reports no memory limit, as XLA's CPU one)."""
+    """The fewest devices per copy of the weights such that each holds at most WEIGHTS_SHARE
+    of its memory in weights (1 where the backend reports no memory limit, as XLA's CPU one)."""
     if not device_bytes:
         return 1
     for n in (n for n in range(1, devices + 1) if devices % n == 0):

@@ -14,20 +14,38 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from diffusion.models import load_model
-from diffusion.sharding import MODEL, choose_model_parallel, make_mesh, weight_shardings, weight_spec
+from diffusion.placement import make_placement
+from diffusion.sharding import MODEL, TensorParallel, choose_model_parallel, weight_specs
 from renderfarm.jobs import JobError, JobSpec
 from worker.engine import Engine
 
 PROMPTS = ["a red fox in snow", "a lighthouse at dusk", "a bowl of ramen", "", "a fox", "snow", "dusk", "ramen"]
 
 
-def test_each_weight_is_split_on_its_largest_axis_that_divides() -> None:
-    assert weight_spec((320, 4, 3, 3), 8) == PartitionSpec(MODEL, None, None, None)
-    assert weight_spec((3, 3, 4, 320), 4) == PartitionSpec(None, None, None, MODEL)
-    assert weight_spec((64, 64), 2) == PartitionSpec(MODEL, None)  # the first of equals
-    assert weight_spec((77, 5), 4) == PartitionSpec()  # nothing divides: replicated
-    assert weight_spec((), 8) == PartitionSpec()
-    assert weight_spec((320, 4), 1) == PartitionSpec()
+def test_each_weight_is_split_as_megatron_splits_a_transformer_block() -> None:
+    rules = TensorParallel(columns=(r".*/to_q",), rows=(r".*/to_out_0",))
+    block = ("down_blocks_0", "attentions_0", "transformer_blocks_0", "attn1")
+    assert rules.spec((*block, "to_q", "kernel"), (320, 640), 4) == PartitionSpec(None, MODEL)  # output columns
+    assert rules.spec((*block, "to_q", "bias"), (640,), 4) == PartitionSpec(MODEL)
+    assert rules.spec((*block, "to_out_0", "kernel"), (640, 320), 4) == PartitionSpec(MODEL, None)  # input rows
+    assert rules.spec((*block, "to_out_0", "bias"), (320,), 4) == PartitionSpec()  # added once, after the sum
+    assert rules.spec(("conv_in", "kernel"), (3, 3, 4, 320), 4) == PartitionSpec()  # no rule: whole
+    assert rules.spec((*block, "to_q", "kernel"), (320, 642), 4) == PartitionSpec()  # 4 does not divide 642
+    assert rules.spec((*block, "to_q", "kernel"), (320, 640), 1) == PartitionSpec()
+
+
+def test_a_family_splits_only_its_transformer_blocks(tiny_sd: Path) -> None:
+    """The UNet's attention and MLP linears split; its ResNets, the VAE and CLIP stay whole."""
+    model = load_model(str(tiny_sd), model_parallel=1)
+    specs = weight_specs(dict(model.family.tensor_parallel), model.params, 4)
+    split = {jax.tree_util.keystr(path): spec for path, spec in jax.tree_util.tree_leaves_with_path(
+        specs, is_leaf=lambda x: isinstance(x, PartitionSpec)) if spec != PartitionSpec()}
+    block = "['unet']['down_blocks_1']['attentions_0']['transformer_blocks_0']"
+    assert split[f"{block}['attn1']['to_q']['kernel']"] == PartitionSpec(None, MODEL)
+    assert split[f"{block}['attn2']['to_out_0']['kernel']"] == PartitionSpec(MODEL, None)
+    assert split[f"{block}['ff']['net_2']['kernel']"] == PartitionSpec(MODEL, None)
+    assert all("transformer_blocks" in name for name in split)
+    assert not any(name.startswith(("['vae']", "['text_encoder']")) for name in split)
 
 
 def test_the_split_is_the_fewest_devices_whose_memory_holds_the_weights() -> None:
@@ -38,8 +56,8 @@ def test_the_split_is_the_fewest_devices_whose_memory_holds_the_weights() -> Non
     assert choose_model_parallel(25 * gb, 16 * gb, 6) == 6  # divisors of 6: 1, 2, 3 (8.3 GB each: too many), 6
     with pytest.raises(ValueError, match="do not fit 8 devices of 16.0 GB"):
         choose_model_parallel(200 * gb, 16 * gb, 8)
-    with pytest.raises(ValueError, match="must divide the 8 devices"):
-        make_mesh(jax.devices(), 3)
+    with pytest.raises(JobError, match="model_parallel=3: must divide the 8 devices"):
+        make_placement(jax.devices(), 3)
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +78,12 @@ def images_by_mesh(tiny_sd: Path) -> dict[int, np.ndarray]:
 def test_split_weights_live_in_shards(tiny_sd: Path) -> None:
     model = load_model(str(tiny_sd), model_parallel=4)
     assert model.model_parallel == 4
-    kernel = model.params["unet"]["conv_in"]["kernel"]  # (3, 3, 4, 32): split over its 32 channels
-    assert {shard.data.shape for shard in kernel.addressable_shards} == {(3, 3, 4, 8)}
-    expected = weight_shardings(model.params, make_mesh(jax.devices(), 4))
+    block = model.params["unet"]["down_blocks_1"]["attentions_0"]["transformer_blocks_0"]
+    to_q = block["attn1"]["to_q"]["kernel"]  # (64, 64): split over its 64 output columns
+    assert {shard.data.shape for shard in to_q.addressable_shards} == {(64, 16)}
+    conv = model.params["unet"]["conv_in"]["kernel"]  # convolutions stay whole
+    assert {shard.data.shape for shard in conv.addressable_shards} == {conv.shape}
+    expected = model.placement.weight_shardings(model.family, model.params)
     assert jax.tree.all(jax.tree.map(lambda a, s: a.sharding.is_equivalent_to(s, a.ndim), model.params, expected))
 
 

@@ -2,13 +2,11 @@
 program per shape key. Host-side only: it tokenizes, makes seeds into keys, pads batches
 and calls the jitted functions of `diffusion.generate`.
 
-Data parallelism is `jax.jit` of a `shard_map` over a one-axis device mesh: the batch axis
-of every input is split over devices, parameters are replicated, and each device runs the
-per-device program (docs/performance.md has the measurements against pmap and against
-jit's automatic partitioning). A model loaded with its weights split over a model axis
-(`LoadedModel.model_parallel` > 1, diffusion/sharding.py) runs as one `jax.jit` over the
-(data, model) mesh instead: batches over the data axis, and XLA partitions the program
-around the split weights.
+Where the weights live and what program a shape compiles to is the model's placement
+(diffusion/placement.py, decided when it was loaded): whole copies of the weights and a
+per-device program under `shard_map` (docs/performance.md has the measurements against pmap
+and against jit's automatic partitioning), or weights split over a model axis and one program
+partitioned over the (data, model) mesh. Batches go over the data axis either way.
 """
 
 from __future__ import annotations
@@ -22,20 +20,18 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 from flax.errors import FlaxError
-from jax.sharding import NamedSharding, PartitionSpec
 
 from diffusion.flops import denoise_flops, program_flops
 from diffusion.generate import Output, Static
 from diffusion.models import LoadedModel
+from diffusion.placement import lower_generate, make_placement
 from diffusion.schedulers import Scheduler, make
-from diffusion.sharding import DATA, make_mesh, weight_shardings
 from renderfarm.jobs import JobError, JobSpec, check_sampler, sampler_label
 from worker.executables import ExecutableStore, fingerprint, private_folder
 
@@ -118,7 +114,6 @@ log = logging.getLogger(__name__)
 # kept programs may take PROGRAM_SHARE of a device's memory, within these bounds; where the
 # backend reports no memory limit (CPU), DEFAULT_MAX_PROGRAMS.
 DEFAULT_MAX_PROGRAMS, MAX_PROGRAMS_BOUNDS, PROGRAM_SHARE = 16, (2, 64), 0.05
-BATCH, REPLICATED = PartitionSpec(DATA), PartitionSpec()
 CACHE_HIT = "/jax/compilation_cache/cache_hits"
 JAX_EVENTS: collections.Counter[str] = collections.Counter()
 
@@ -157,15 +152,13 @@ class Engine:
         if max_programs is not None and max_programs < 1:
             raise JobError("max_programs", max_programs, "must be at least 1")
         self.model = model
-        self.devices = list(devices or jax.local_devices())
-        try:
-            mesh = make_mesh(self.devices, model.model_parallel)
-        except ValueError as err:
-            raise JobError("model_parallel", model.model_parallel, f"must divide the {len(self.devices)} devices") \
-                from err
-        self.batch_size = mesh.shape[DATA] * per_device_batch  # a device batch per copy of the weights
-        self._sharded = NamedSharding(mesh, BATCH)
-        self._params = jax.device_put(model.params, weight_shardings(model.params, mesh))
+        # The placement the model was loaded with, unless the engine is given other devices.
+        self.placement = model.placement if devices is None and model.placement is not None else \
+            make_placement(list(devices or jax.local_devices()), model.model_parallel)
+        self.devices = self.placement.devices
+        self.batch_size = self.placement.batch_size(per_device_batch)
+        self._sharded = self.placement.batch
+        self._params = self.placement.place(model.family, model.params)
         self._schedulers: dict[tuple[str, str | None, bool | None], Scheduler] = {}
         # Compiled programs, least recently used first; at most max_programs are kept.
         self._compiled: collections.OrderedDict[ShapeKey, Any] = collections.OrderedDict()
@@ -270,17 +263,11 @@ class Engine:
                 log.info("%s: saved executable loaded", key)
                 self._flops[key] = saved[1]["flops"]
                 return saved[0]
-        fn = partial(self.model.family.generate, self.model.networks, self.scheduler(key),
-                     Static(key.height, key.width, key.steps, key.guided))
-        if self.model.model_parallel == 1:
-            # Each device runs the per-device program on its slice of the batch, as pmap
-            # would; check_vma=False because the scheduler's state starts out unvarying.
-            fn = jax.shard_map(fn, mesh=self._sharded.mesh, in_specs=(REPLICATED, BATCH),
-                               out_specs=BATCH, check_vma=False)
         start, hits = time.perf_counter(), JAX_EVENTS[CACHE_HIT]
         try:
-            lowered = jax.jit(fn, out_shardings=self._sharded).lower(
-                self._params, self.model.abstract_inputs(self.batch_size, self._sharded))
+            lowered = lower_generate(self.model.family, self.model.networks, self.scheduler(key),
+                                     Static(key.height, key.width, key.steps, key.guided), self.placement,
+                                     self._params, self.model.abstract_inputs(self.batch_size, self._sharded))
         except FlaxError as err:  # weights put together by hand, not by the loader, which checks them
             raise JobError("model", self.model.ref, f"weights do not match its config: {err}") from err
         program = lowered.compile()

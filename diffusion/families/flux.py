@@ -37,10 +37,19 @@ from diffusion.nn.flux import FluxConfig, FluxTransformer2DModel
 from diffusion.nn.t5 import T5Config, T5EncoderModel
 from diffusion.nn.vae import AutoencoderKL, VAEConfig
 from diffusion.schedulers import Scheduler
+from diffusion.sharding import TensorParallel
 from diffusion.tiny_parts import EOS, clip_tokenizer_files, t5_tokenizer_files, text_config, write_pipeline
 from diffusion.tokenizer import CLIPTokenizer, T5Tokenizer, TokenizerError
 
 PATCH = 2  # latent pixels per token, each way
+# The transformer's blocks split as Megatron splits one: q/k/v, the MLPs' first layers and the
+# modulation linears by columns, the attention outputs and the MLPs' second layers by rows.
+TRANSFORMER_TENSOR_PARALLEL = TensorParallel(
+    columns=(r"(single_)?transformer_blocks_\d+/attn/(to_[qkv]|add_[qkv]_proj)",
+             r"transformer_blocks_\d+/(ff|ff_context)/net_0/proj", r"transformer_blocks_\d+/(norm1|norm1_context)/linear",
+             r"single_transformer_blocks_\d+/(norm/linear|proj_mlp)"),
+    rows=(r"transformer_blocks_\d+/attn/(to_out_0|to_add_out)", r"transformer_blocks_\d+/(ff|ff_context)/net_2",
+          r"single_transformer_blocks_\d+/proj_out"))
 
 
 class FluxInputs(NamedTuple):
@@ -199,4 +208,5 @@ FAMILY = Family(
     schedulers=("flow_euler",),
     classifier_free=False,
     loras=LoraTargets("transformer", ("text_encoder",), kohya_modules),
+    tensor_parallel={"transformer": TRANSFORMER_TENSOR_PARALLEL},
 )

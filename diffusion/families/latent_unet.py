@@ -16,6 +16,11 @@ import numpy as np
 from diffusion.family import Geometry, Networks, Tokenizer
 from diffusion.flops import unet_flops
 from diffusion.generate import Inputs
+from diffusion.sharding import TensorParallel
+
+# The UNet's transformer blocks split as Megatron splits one (the ResNets and convolutions stay whole).
+UNET_TENSOR_PARALLEL = TensorParallel(columns=(r".*/attn[12]/to_[qkv]", r".*/ff/net_0/proj"),
+                                      rows=(r".*/attn[12]/to_out_0", r".*/ff/net_2"))
 
 
 def tokenize(tokenizers: Sequence[Tokenizer], texts: list[str]) -> tuple[np.ndarray, list[bool]]:

@@ -44,4 +44,5 @@ FAMILY = Family(
     geometry=latent_unet.geometry,
     denoiser_flops=latent_unet.denoiser_flops,
     tiny=write_latent_unet_model,
+    tensor_parallel={"unet": latent_unet.UNET_TENSOR_PARALLEL},
 )

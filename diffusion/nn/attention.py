@@ -38,8 +38,10 @@ The rule (`choose`), GPU and TPU figures unmeasured (no device where it was writ
   would hold 1 GiB of scores per image, a float32 4096-token UNet self-attention 512 MiB.
   Whether "batch" beats "heads" off the CPU too is for bench/modules.py on the device.
 
-`with use_kernel(name): jax.jit(f)(...)` forces a kernel (benchmarks, tests); it is read
-when a function is traced, so use a fresh `f` per kernel (jit caches traces per function).
+`with use_kernel(name): jax.jit(f)(...)` forces a kernel (benchmarks, tests), and
+`with for_backend("tpu"): ...` chooses as on that backend (a program compiled here for a
+target's devices, diffusion/placement.py); both are read when a function is traced, so use a
+fresh `f` per choice (jit caches traces per function).
 """
 
 from __future__ import annotations
@@ -48,15 +50,20 @@ import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 
 import jax
 import jax.extend.backend
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+from jax.sharding import PartitionSpec
+
+from diffusion.sharding import DATA, MODEL
 
 LAYOUTS = ("heads", "batch", "split")  # the XLA paths, which run on every backend
-KERNELS = (*LAYOUTS, "chunked", "cudnn", "splash")
+CUSTOM_KERNELS = ("cudnn", "splash")  # custom calls, which XLA cannot partition
+KERNELS = (*LAYOUTS, "chunked", *CUSTOM_KERNELS)
 CHUNK_SCORES = 2 ** 24  # float32 scores per image (64 MiB) beyond which "chunked" replaces "heads"
 SPLASH_MIN_QUERIES = 128  # splash's smallest block
 SPLASH_BLOCK = 512  # splash's query and key blocks where the sequences are that long
@@ -77,10 +84,15 @@ class Call:
 
 
 _calls: contextvars.ContextVar[list[Call] | None] = contextvars.ContextVar("attention_calls", default=None)
+_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar("attention_backend", default=None)
 
 
 def current_backend() -> str:
-    """The backend attention is traced for: "cpu", "tpu", "cuda", "rocm", ... (cuDNN is CUDA's)."""
+    """The backend attention is traced for: "cpu", "tpu", "cuda", "rocm", ... (cuDNN is CUDA's):
+    the one `for_backend` names, else this process's default."""
+    target = _backend.get()
+    if target is not None:
+        return target
     backend = jax.default_backend()
     if backend == "gpu":
         return "rocm" if "rocm" in jax.extend.backend.get_backend().platform_version else "cuda"
@@ -126,6 +138,18 @@ def use_kernel(name: str) -> Iterator[None]:
         _kernel.reset(token)
 
 
+@contextlib.contextmanager
+def for_backend(name: str) -> Iterator[None]:
+    """Trace attention inside the block as for devices of backend `name` (as `current_backend`
+    names them): a program compiled here for a target's devices (a TPU topology on a CPU
+    machine) takes the kernels it would take there."""
+    token = _backend.set(name)
+    try:
+        yield
+    finally:
+        _backend.reset(token)
+
+
 use_layout = use_kernel  # its name when it chose among LAYOUTS only (bench/modules.py, tests)
 
 
@@ -156,7 +180,27 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, heads: int, causal: bool
         return out.reshape(b, t, inner)
     kernel = _kernel.get() or choose(current_backend(), q.shape, k.shape, q.dtype, causal)
     _record(kernel, q.shape, k.shape)
-    return _IMPLEMENTATIONS[kernel](q, k, v, causal).reshape(b, t, inner)
+    spec = _partition(q.shape)
+    if spec is None:
+        return _IMPLEMENTATIONS[kernel](q, k, v, causal).reshape(b, t, inner)
+    q, k, v = (jax.lax.with_sharding_constraint(x, spec) for x in (q, k, v))
+    run = partial(_IMPLEMENTATIONS[kernel], causal=causal)
+    if kernel in CUSTOM_KERNELS:  # XLA cannot partition a custom call: each device runs its own part
+        run = jax.shard_map(run, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)
+    return jax.lax.with_sharding_constraint(run(q, k, v), spec).reshape(b, t, inner)
+
+
+def _partition(shape: Sequence[int]) -> PartitionSpec | None:
+    """How q, k and v (B, T, N, H) split in a program partitioned over a (data, model) mesh
+    (diffusion/placement.py): the batch over `data`, the heads over `model`, each where the
+    mesh's axis divides it (else whole). None outside such a program (a per-device program,
+    or no mesh), where attention runs as it is."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not mesh.auto_axes:
+        return None
+    b, _, n, _ = shape
+    axis = lambda name, size: name if name in mesh.auto_axes and size % mesh.shape[name] == 0 else None  # noqa: E731
+    return PartitionSpec(axis(DATA, b), None, axis(MODEL, n), None)
 
 
 def _record(kernel: str, q_shape: Sequence[int], k_shape: Sequence[int]) -> None:

@@ -1,0 +1,118 @@
+"""Where a model runs: the one decision of which devices hold which part of its weights, and
+the program that renders a batch there. The loader (diffusion/models.py) places the weights
+with it, the engine (worker/engine.py) compiles and runs the programs with it, and a plan for
+a machine that is not here compiles the same programs for a target's devices (a TPU
+topology's, from `jax.experimental.topologies`) with shapes in place of weights.
+
+The devices form a (data, model) mesh. With `model_parallel` 1 each device holds a whole
+copy of the weights and runs the per-device program on its slice of the batch (`shard_map`,
+as pmap would). Above 1, `model_parallel` devices share each copy, split as the family states
+(diffusion/sharding.py: Megatron's tensor parallelism), and one `jax.jit` over the mesh runs
+the batch over the data axis while XLA partitions each transformer block over the model axis;
+attention constrains its heads to the model axis and runs custom kernels (splash, cuDNN)
+inside a `shard_map` of their own (diffusion/nn/attention.py). Attention's kernel is chosen
+for the devices' backend, not the process's (`for_backend`), so a TPU program traced on a CPU
+machine takes splash as it would on the TPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from diffusion.family import Family, Networks
+from diffusion.generate import Static
+from diffusion.nn.attention import for_backend
+from diffusion.schedulers import Scheduler
+from diffusion.sharding import DATA, MODEL, weight_specs
+from renderfarm.jobs import JobError
+
+BATCH, WHOLE = PartitionSpec(DATA), PartitionSpec()
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """A (data, model) mesh over some devices (this host's, or a target topology's)."""
+
+    mesh: Mesh
+
+    @property
+    def model_parallel(self) -> int:
+        """Devices that share one copy of the weights."""
+        return int(self.mesh.shape[MODEL])
+
+    @property
+    def data_parallel(self) -> int:
+        """Copies of the weights: each renders its own slice of a batch."""
+        return int(self.mesh.shape[DATA])
+
+    @property
+    def devices(self) -> list[jax.Device]:
+        return list(self.mesh.devices.flat)
+
+    @property
+    def backend(self) -> str:
+        """The devices' backend as attention names it ("cpu", "tpu", "cuda", "rocm")."""
+        device = self.devices[0]
+        if device.platform != "gpu":
+            return device.platform
+        client = getattr(device, "client", None)
+        return "rocm" if client is not None and "rocm" in client.platform_version else "cuda"
+
+    @property
+    def batch(self) -> NamedSharding:
+        """A batch's inputs and outputs: their leading axis over the data axis."""
+        return NamedSharding(self.mesh, BATCH)
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, WHOLE)
+
+    def batch_size(self, per_device_batch: int) -> int:
+        """Jobs in one batch: `per_device_batch` per copy of the weights."""
+        return self.data_parallel * per_device_batch
+
+    def weight_shardings(self, family: Family, params: Any) -> Any:
+        """A NamedSharding per weight of `params` ({component: tree}, arrays or shapes)."""
+        specs = weight_specs(dict(family.tensor_parallel), params, self.model_parallel)
+        return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs,
+                            is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+    def place(self, family: Family, params: Any) -> Any:
+        """`params` (numpy or jax arrays) on the devices, each weight as `weight_shardings` says:
+        a split weight goes shard by shard, so no device holds it whole."""
+        return jax.device_put(params, self.weight_shardings(family, params))
+
+    def abstract(self, family: Family, params: Any) -> Any:
+        """`params` (arrays or shapes) as shapes placed as `place` would place them: what a
+        program is compiled for where there are no weights (a target's devices)."""
+        return jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+                            params, self.weight_shardings(family, params))
+
+
+def make_placement(devices: Sequence[jax.Device], model_parallel: int) -> Placement:
+    """The mesh of `devices` with `model_parallel` devices per copy of the weights."""
+    if model_parallel < 1 or len(devices) % model_parallel:
+        raise JobError("model_parallel", model_parallel, f"must divide the {len(devices)} devices")
+    grid = np.array(list(devices), dtype=object).reshape(len(devices) // model_parallel, model_parallel)
+    return Placement(Mesh(grid, (DATA, MODEL)))
+
+
+def lower_generate(family: Family, networks: Networks, scheduler: Scheduler, static: Static,
+                   placement: Placement, params: Any, inputs: Any) -> jax.stages.Lowered:
+    """The family's generate program for one shape, lowered for the placement's devices:
+    `params` placed weights or their `abstract` shapes, `inputs` the batch's shapes (leading
+    axis the batch, sharded as `placement.batch`). Compile it with `.compile()`."""
+    fn = partial(family.generate, networks, scheduler, static)
+    if placement.model_parallel == 1:
+        # Each device runs the per-device program on its slice of the batch, as pmap would;
+        # check_vma=False because the scheduler's state starts out unvarying.
+        fn = jax.shard_map(fn, mesh=placement.mesh, in_specs=(WHOLE, BATCH), out_specs=BATCH, check_vma=False)
+    with for_backend(placement.backend), jax.set_mesh(placement.mesh):
+        return jax.jit(fn, out_shardings=placement.batch).lower(params, inputs)
