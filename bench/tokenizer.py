@@ -14,7 +14,7 @@ import timeit
 from pathlib import Path
 
 from diffusion.tokenizer import CLIPTokenizer
-from tests.oracle.tokenizer import build_folder
+from harness.tokenizer import build_folder
 
 SUBJECTS = ["a lighthouse on a cliff", "a red fox in fresh snow", "a bowl of ramen", "an astronaut riding a horse",
             "a watercolor map of an imaginary island", "portrait of an old fisherman", "a cyberpunk street at night",

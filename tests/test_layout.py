@@ -123,6 +123,15 @@ def test_the_model_layer_stands_alone() -> None:
         "diffusion.models", "diffusion.nn.unet", "diffusion.schedulers", "diffusion.generate"}
 
 
+def test_the_benchmarks_never_import_the_tests() -> None:
+    """What bench/ shares with the tests (real farm processes, tokenizer folders) lives in
+    harness/, which both import; the tests are not a library, and none of harness/ leans on
+    them either."""
+    bad = [f"{path.relative_to(ROOT)} imports tests" for folder in ("bench", "harness")
+           for path in sorted((ROOT / folder).rglob("*.py")) if "tests" in libraries(path)]
+    assert bad == []
+
+
 def test_no_import_cycles() -> None:
     assert cycles(graph()) == []
 
@@ -135,4 +144,5 @@ def test_the_checks_see_what_they_check() -> None:
     assert "diffusion.families.sd" in edges["diffusion.families"]  # `from package import module`
     assert "google" in libraries(ROOT / "renderfarm" / "storage" / "gcs.py")  # a client library
     assert "jax" in libraries(ROOT / "diffusion" / "generate.py")
+    assert "tests" in libraries(ROOT / "tests" / "test_tokenizer.py")
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

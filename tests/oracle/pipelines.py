@@ -55,9 +55,9 @@ from transformers import (
     CLIPTokenizer,
 )
 
+from harness.tokenizer import bytes_to_unicode
 from tests.oracle.noise import contract_noise
 from tests.oracle.schedulers import CLASSES
-from tests.oracle.tokenizer import bytes_to_unicode
 
 # The deterministic schedulers, each rendered for every family here (the stochastic ones, with the
 # sampler options and few-step recipes, are tests/oracle/samplers.py's).

@@ -1,8 +1,9 @@
 """Reference ids for diffusion/tokenizer.py: what transformers 5.23's `CLIPTokenizer` (the tokenizer
 diffusers' PyTorch pipelines load) gives for hard prompts, for each kind of tokenizer folder.
 
-`write(data)` runs in the oracle venv (transformers 5.23) and writes `data/tokenizer/`. The tests
-import only the folder-building helpers, which need neither torch nor transformers.
+`write(data)` runs in the oracle venv (transformers 5.23) and writes `data/tokenizer/`. The
+folder-building helpers, which need neither torch nor transformers, are harness/tokenizer.py's
+(the benchmarks build the same folders).
 
 The real CLIP vocabulary comes from open_clip's `bpe_simple_vocab_16e6.txt.gz`, built as OpenAI's
 `simple_tokenizer.py` builds it (and so HF's openai/clip-vit-large-patch14 files): the 256
@@ -22,10 +23,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from harness.tokenizer import BOS, EOS, build_folder, bytes_to_unicode, clip_vocab, read_merges, vocab_json
+
 CLIP_MERGES = 49152 - 256 - 2  # the slice CLIP's tokenizers take of the 262,144 merges in the file
 MERGES_SHA256 = "9fd691f7c8039210e0fced15865466c65820d09b63988b0174bfe25de299051a"
 VOCAB_SHA256 = "f3494b2b345fa180ca51ec80ab47d1bbb0218d60089264d5ee9bb0619af4a4b7"
-BOS, EOS = "<|startoftext|>", "<|endoftext|>"
 
 
 def _legacy(content: str, type_field: bool) -> dict[str, Any]:
@@ -125,47 +127,6 @@ HARD_TEXTS = TYPICAL + [
     "a " * 75, "a " * 76, "a " * 72 + _LONG_WORD, "a photo of " + (_LONG_WORD + " ") * 20,
     "a" * 300, ("a red cat on a mat, " * 40).strip(),
 ]
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map, which CLIP's vocabulary is written in."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars = printable[:]
-    extra = 0
-    for byte in range(256):
-        if byte not in printable:
-            printable.append(byte)
-            chars.append(256 + extra)
-            extra += 1
-    return dict(zip(printable, map(chr, chars)))
-
-
-def read_merges(path: Path) -> list[str]:
-    """The merges of a committed merges.txt (HF format: a `#version` line, then "a b" lines)."""
-    return path.read_text(encoding="utf-8").splitlines()[1:]
-
-
-def clip_vocab(merges: list[str]) -> dict[str, int]:
-    """CLIP's vocabulary for its merges, ids in OpenAI's order."""
-    chars = list(bytes_to_unicode().values())
-    tokens = chars + [c + "</w>" for c in chars] + [m.replace(" ", "") for m in merges] + [BOS, EOS]
-    return {token: i for i, token in enumerate(tokens)}
-
-
-def vocab_json(merges: list[str]) -> str:
-    """vocab.json exactly as HF's CLIP tokenizer folders hold it."""
-    return json.dumps(clip_vocab(merges), ensure_ascii=False, sort_keys=True)
-
-
-def build_folder(data: Path, name: str, dest: Path) -> Path:
-    """A complete tokenizer folder `dest` for one of data/tokenizer/'s folders (CLIP ones get the
-    shared merges.txt and a derived vocab.json)."""
-    root = data / "tokenizer"
-    shutil.copytree(root / name, dest)
-    if name in CLIP_FOLDERS:
-        shutil.copy(root / "merges.txt", dest / "merges.txt")
-        (dest / "vocab.json").write_text(vocab_json(read_merges(root / "merges.txt")), encoding="utf-8")
-    return dest
 
 
 def _dump(path: Path, value: Any, sort_keys: bool = False) -> None:
