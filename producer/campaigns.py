@@ -403,9 +403,12 @@ def _run_windowed(spec: CampaignSpec, settings: Settings | None, strict: bool, p
         # Only the spec's own open jobs are queued for it: ids of rows edited out since are not.
         scan = _checked_scan(spec, stored, strict, feeder.queued)
         skip, todo = stored | feeder.queued, scan.jobs - scan.stored - scan.queued
-        # With nothing to send, a run still lifts a cancel and marks the campaign fed.
-        submission = feeder.feed((job for job in campaign_jobs(spec) if job.job_id not in skip), todo, scan.queued,
-                                 started, progress) if todo or scan.queued else None
+        submission = None
+        if todo or scan.queued:
+            submission = feeder.feed((job for job in campaign_jobs(spec) if job.job_id not in skip), todo,
+                                     scan.queued, started, progress)
+        elif feeder.counted:  # every job stored: an earlier run may have died before it marked it fed
+            feeder.fed()
     return CampaignRun(spec.name, scan.rows, scan.bad_rows, tuple(scan.first_bad), scan.jobs, scan.stored,
                        submission, time.perf_counter() - started, scan.queued)
 

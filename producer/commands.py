@@ -176,8 +176,9 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 @broker_errors
 def cmd_deadletters(args: argparse.Namespace) -> int:
     from renderfarm.deadletters import DeadLetters
+    from renderfarm.progress import retrying_client
 
-    with redis.Redis.from_url(Settings.from_env(broker_url=args.broker).broker_url) as client:
+    with retrying_client(Settings.from_env(broker_url=args.broker).broker_url) as client:
         letters = DeadLetters(client)
         counts = letters.counts()
         queues = [args.queue] if args.queue else sorted(counts)

@@ -89,6 +89,17 @@ class Submission:
         return "\n".join(lines)
 
 
+class Refused(JobError):
+    """A windowed campaign's admit refused a chunk, which was not sent: the campaign was
+    cancelled (`why` 'cancelled'), or this run no longer holds its feeder lock ('lock')."""
+
+    def __init__(self, campaign: str, why: str) -> None:
+        rule = ("was cancelled; run it again to resume it" if why == "cancelled" else
+                "lost its feeder lock (another run took over while this one stalled); this run sent nothing more")
+        super().__init__("campaign", campaign, rule)
+        self.why = why
+
+
 class WaitTimeout(TimeoutError):
     """The submission's jobs did not all finish in time; the message says how far they got."""
 
@@ -154,12 +165,13 @@ def pushing(messages: list[dict[str, Any]]) -> None:
 
 class _Enqueuer:
     """Sends chunks of validated jobs and counts what it did; remembers the (few) campaigns
-    and queues it touched, never the jobs. `counted`: the jobs are a windowed campaign's
-    (renderfarm.progress), booked in its open set as they are pushed rather than per
-    submission."""
+    and queues it touched, never the jobs. With a `holder` (the token of a windowed campaign's
+    feeder lock) the jobs are that campaign's (renderfarm.progress), booked in its open set as
+    they are pushed rather than per submission, and only while the run holds the lock."""
 
-    def __init__(self, app: Celery, producer: Producer, progress: Progress, counted: bool = False) -> None:
-        self.app, self.producer, self.progress, self.counted = app, producer, progress, counted
+    def __init__(self, app: Celery, producer: Producer, progress: Progress, holder: str | None = None) -> None:
+        self.app, self.producer, self.progress, self.holder = app, producer, progress, holder
+        self.counted = holder is not None
         self.messages = _TaskMessages(app, producer)
         self.id = secrets.token_hex(8)
         self.enqueued = self.already_done = self.duplicates = self.already_queued = 0
@@ -189,7 +201,8 @@ class _Enqueuer:
                 raise JobError("campaign", campaign, "is fed through a window (`renderfarm campaign run "
                                "--window N`): run its spec again to resume it, or submit to another campaign")
             self.campaigns[campaign] = None
-            if self.progress.is_cancelled(campaign):
+            # A windowed campaign's cancel is lifted by its feeder, before it reads the open jobs.
+            if not self.counted and self.progress.is_cancelled(campaign):
                 self.progress.resume(campaign)
                 self.resumed.append(campaign)
         if queue not in self.queues:
@@ -231,14 +244,21 @@ class _Enqueuer:
     def _admit(self, messages: list[dict[str, Any]]) -> None:
         """A counted campaign's jobs recorded open and pushed in one atomic script a campaign
         (Progress.admit), so a feeder that dies or loses Redis in between leaves no open job
-        without its message. No retry, as in _publish: a later run sends what is not open."""
+        without its message. A retry of the script (redis-py's, on a dropped connection) does
+        nothing twice; a later run sends what is not open. Raises Refused when the run no
+        longer holds the campaign's lock or the campaign is cancelled: nothing was sent."""
+        assert self.holder is not None
         by_campaign: dict[str, list[dict[str, Any]]] = {}
         for m in messages:
             by_campaign.setdefault(m["kwargs"]["campaign"], []).append(m)
         for campaign, mine in by_campaign.items():
             queues = list(dict.fromkeys(m["queue"] for m in mine))
-            self.progress.admit(campaign, [m["task_id"] for m in mine], queues, self._lists(mine))
-            self.enqueued += len(mine)
+            jobs = [(m["task_id"], *self.messages.serialize(m)) for m in mine]
+            outcome, newly = self.progress.admit(campaign, jobs, queues, self.holder, secrets.token_hex(8))
+            if outcome != "ok":
+                raise Refused(campaign, outcome)
+            self.enqueued += newly
+            self.already_queued += len(mine) - newly
 
     def _publish(self, messages: list[dict[str, Any]]) -> None:
         """One LPUSH per list, in one round trip: the same lists, in the same order, as one

@@ -8,9 +8,12 @@ queued or running, and workers take a job out of it as they finish, fail or skip
 feeder streams the jobs storage lacks, and sends a chunk once the open set has room for it.
 Resuming is running it again: a job storage holds is not submitted, one still open is not
 sent twice, and a chunk is recorded open and pushed in one atomic step (Progress.admit), so
-no open job lacks its message whenever a run dies. One feeder per campaign (a lock,
-`rf:c:CAMPAIGN:feeder`, renewed while it runs and expiring if the feeder dies, renewed and
-freed only by its holder); feeders of different campaigns run side by side.
+no open job lacks its message whenever a run dies; sent again (a dropped connection's retry),
+the step does nothing twice. One feeder per campaign (a lock, `rf:c:CAMPAIGN:feeder`, renewed
+while it runs and expiring if the feeder dies, renewed and freed only by its holder, and
+checked by each admit, so a run that stalled past its expiry sends nothing more); feeders of
+different campaigns run side by side. Running a cancelled campaign again lifts the cancel
+before anything else; a cancel that comes while a run feeds stops it before its next chunk.
 """
 
 from __future__ import annotations
@@ -26,9 +29,9 @@ from collections.abc import Iterable
 import redis
 from tqdm import tqdm
 
-from producer.submit import CHUNK, Submission, WaitTimeout, _Enqueuer
+from producer.submit import CHUNK, Refused, Submission, WaitTimeout, _Enqueuer
 from renderfarm.jobs import JobError, JobSpec
-from renderfarm.progress import RELEASE_LOCK, RENEW_LOCK, Progress, key
+from renderfarm.progress import RELEASE_LOCK, RENEW_LOCK, Progress, key, retrying_client
 from renderfarm.queue import make_app
 from renderfarm.settings import Settings
 
@@ -50,8 +53,9 @@ class _Lock:
     def __init__(self, client: redis.Redis, campaign: str) -> None:
         self.client, self.campaign, self.name = client, campaign, key(campaign, "feeder")
         self.token = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
-        if not client.set(self.name, self.token, nx=True, ex=LOCK_SECONDS):
-            holder = (client.get(self.name) or b"?").decode()
+        # (a SET sent again after its reply was lost finds the lock its first try took)
+        if not client.set(self.name, self.token, nx=True, ex=LOCK_SECONDS) and \
+                (holder := (client.get(self.name) or b"?").decode()) != self.token:
             raise FeederBusy("campaign", campaign, f"is being fed by another run ({holder}); one feeder per "
                              f"campaign (a run that died frees it within {LOCK_SECONDS} s)")
         self._renew, self._release = client.register_script(RENEW_LOCK), client.register_script(RELEASE_LOCK)
@@ -93,19 +97,26 @@ class Feeder:
     """One run's hold on a counted campaign: its lock, and the ids of the jobs earlier runs left
     open (queued or running), which this run leaves to the workers, with the done count at the
     same moment. Taken before storage is listed, so a job finishing in between is either
-    listed or left: never sent twice."""
+    listed or left: never sent twice. A cancel is lifted first (`resumed`): jobs skipped
+    before that are not open, so this run sends them again, and none is recorded cancelled
+    after it (lua/settle.lua)."""
 
     def __init__(self, campaign: str, window: int, settings: Settings | None = None) -> None:
         self.campaign, self.window = campaign, check_window(window)
         self.settings = settings or Settings.from_env()
-        self.client = redis.Redis.from_url(self.settings.broker_url)
+        self.client = retrying_client(self.settings.broker_url)  # a dropped connection is not the run's end
         try:
             self.lock = _Lock(self.client, campaign)
         except BaseException:
             self.client.close()
             raise
         try:
+            progress = Progress(self.client)
+            self.counted = progress.counted(campaign)  # an earlier run fed it through a window
             self._check_kind()
+            self.resumed = progress.is_cancelled(campaign)
+            if self.resumed:
+                progress.resume(campaign)
         except BaseException:
             self.__exit__()
             raise
@@ -116,7 +127,7 @@ class Feeder:
         self.queued, self.done = {i.decode() for i in open_jobs}, int(done or 0)
 
     def _check_kind(self) -> None:
-        if not Progress(self.client).counted(self.campaign) and \
+        if not self.counted and \
                 self.client.exists(key(self.campaign, "submitted"), key(self.campaign, "done")):
             raise JobError("window", self.window, f"campaign {self.campaign} was submitted without a window "
                            "(its progress is kept per job): run it without a window, or give the spec another name")
@@ -132,17 +143,18 @@ class Feeder:
              progress: bool = True, poll: float = POLL_SECONDS) -> Submission:
         """Submit the campaign's validated jobs (`todo` of them: none stored or open; `queued`: the
         campaign's jobs that are open and storage lacks, left to the workers), keeping at most
-        the window open. Lifts a cancel first, even with nothing to send, so the open jobs
-        render. Returns when every job is sent, or when the campaign is cancelled (the
-        Submission says so)."""
+        the window open. Returns when every job is sent, or when the campaign is cancelled (the
+        Submission says so). Raises FeederBusy when another run took the campaign over."""
         started = time.perf_counter() if started is None else started
         campaign, window, client = self.campaign, self.window, self.client
         chunk_size = max(1, min(CHUNK, window // 2))  # room for one chunk opens while the other renders
         stopped = None
         with make_app(self.settings) as app, app.producer_or_acquire() as producer:
-            enqueuer = _Enqueuer(app, producer, Progress(client), counted=True)
+            enqueuer = _Enqueuer(app, producer, Progress(client), holder=self.lock.token)
             enqueuer.already_queued = queued
-            self._start(todo, enqueuer)
+            if self.resumed:
+                enqueuer.resumed.append(campaign)
+            self._start(todo)
             stream = iter(jobs)
             with tqdm(total=todo, unit="job", desc=f"feeding {campaign} (window {window})",
                       disable=not progress) as bar:
@@ -150,25 +162,33 @@ class Feeder:
                     stopped = self._wait_for_room(window - len(chunk), poll)
                     if stopped:
                         break
-                    enqueuer.send(chunk)
+                    try:
+                        enqueuer.send(chunk)
+                    except Refused as refused:
+                        if refused.why != "cancelled":
+                            raise FeederBusy("campaign", campaign, refused.rule) from None
+                        stopped = _cancelled(campaign)
+                        break
                     bar.update(len(chunk))
             if not stopped:
-                client.hset(key(campaign, "counts"), "fed", 1)
+                self.fed()
         return enqueuer.result(self.settings.broker_url, time.perf_counter() - started, window, stopped)
 
-    def _start(self, todo: int, enqueuer: _Enqueuer) -> None:
+    def fed(self) -> None:
+        """Mark the campaign fed to the end (status calls it finished once no job is open). A
+        run with nothing to send calls it too: the run before may have died after its last
+        chunk and before this mark."""
+        self.client.hset(key(self.campaign, "counts"), "fed", 1)
+
+    def _start(self, todo: int) -> None:
         """Mark the campaign counted, with this run's window and its total: the jobs done, those
         open (each ends done, failed or cancelled, whether the spec still has it or not) and
         the `todo` ones this run sends."""
-        client, campaign, state = self.client, self.campaign, enqueuer.progress
-        counts = key(campaign, "counts")
-        pipe = client.pipeline(transaction=False)
+        counts = key(self.campaign, "counts")
+        pipe = self.client.pipeline(transaction=False)
         pipe.hset(counts, mapping={"window": self.window, "jobs": self.done + len(self.queued) + todo})
         pipe.hdel(counts, "fed")
         pipe.execute()
-        if state.is_cancelled(campaign):  # running it again resumes it, as without a window
-            state.resume(campaign)
-            enqueuer.resumed.append(campaign)
 
     def _wait_for_room(self, most: int, poll: float) -> str | None:
         """Wait until at most `most` of the campaign's jobs are open; the reason to stop instead."""
@@ -178,11 +198,15 @@ class Feeder:
             pipe.exists(key(self.campaign, "cancel"))
             open_jobs, cancelled = pipe.execute()
             if cancelled:
-                return f"campaign {self.campaign} was cancelled; run it again to resume it"
+                return _cancelled(self.campaign)
             self.lock.check()
             if open_jobs <= max(most, 0):
                 return None
             time.sleep(poll)
+
+
+def _cancelled(campaign: str) -> str:
+    return f"campaign {campaign} was cancelled; run it again to resume it"
 
 
 def follow(campaign: str, broker_url: str, timeout: float | None = None, progress: bool = True,

@@ -22,11 +22,14 @@ from typing import Any
 
 import redis
 
+from renderfarm.jobs import JobError, check_campaign
+from renderfarm.progress import REQUEUE, key
 from renderfarm.queue import priority_list, redis_priority
 
 COUNTS = "rf:dead"
 MAX_KEPT = 1000
 KEPT_MESSAGE_BYTES = 64 * 1024  # what a dead letter keeps of its message (the worker refuses over 1 MiB)
+NO_CAMPAIGN = "-"  # stands for a letter's campaign where it has none (lua/requeue.lua then reads no campaign key)
 
 
 def entries_key(queue: str) -> str:
@@ -60,6 +63,7 @@ class DeadLetters:
 
     def __init__(self, client: redis.Redis) -> None:
         self.r = client
+        self._requeue = client.register_script(REQUEUE)
 
     def counts(self) -> dict[str, dict[str, int]]:
         """Per queue: dead-lettered so far, and kept now."""
@@ -74,16 +78,21 @@ class DeadLetters:
 
     def requeue(self, queue: str) -> tuple[int, int]:
         """Put the kept messages of `queue` back on it, oldest first (a worker checks them
-        again); cut ones cannot be and are dropped. Returns (requeued, dropped)."""
+        again), each moved in one script (lua/requeue.lua): a letter of a windowed campaign
+        becomes open, as its feeder's admit makes a job, so a run of the campaign does not
+        send it again, and one a run sent again meanwhile is not pushed twice. Cut ones
+        cannot be requeued and are dropped. Returns (requeued, dropped)."""
         requeued = dropped = 0
-        while (raw := self.r.rpop(entries_key(queue))) is not None:
+        letters = entries_key(queue)
+        while (raw := self.r.lindex(letters, -1)) is not None:
             letter = json.loads(raw)
             message = base64.b64decode(letter["message"])
-            if letter["truncated"]:
-                dropped += 1
-                continue
-            self.r.lpush(priority_list(queue, _priority(message)), message)
-            requeued += 1
+            campaign, job_id = _job(message, letter.get("job_id"))
+            keys = [letters, priority_list(queue, _priority(message)),
+                    *(key(campaign or NO_CAMPAIGN, what) for what in ("open", "counts", "failed", "attempts"))]
+            moved = self._requeue(keys=keys, args=[raw, b"" if letter["truncated"] else message, job_id or ""])
+            requeued += moved == 1
+            dropped += moved == 0 and letter["truncated"]
         return requeued, dropped
 
     def purge(self, queue: str) -> int:
@@ -101,3 +110,17 @@ def _priority(message: bytes) -> int:
     except (ValueError, KeyError, TypeError, RecursionError):
         return redis_priority(None)
     return step if type(step) is int and 0 <= step <= 9 else redis_priority(None)
+
+
+def _job(message: bytes, job_id: object) -> tuple[str | None, str | None]:
+    """The campaign and job id of a dead letter's message, (None, None) unless both are
+    readable: a letter without them goes back on its queue without any campaign's books."""
+    try:
+        envelope = json.loads(message)
+        body = envelope["body"]
+        if envelope.get("properties", {}).get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        campaign = check_campaign(json.loads(body)[1]["campaign"])
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError, JobError):
+        return None, None
+    return (campaign, job_id) if isinstance(job_id, str) else (None, None)

@@ -8,6 +8,10 @@ again. So writes are idempotent by job id, on each backend in the way it can aff
 - A local folder: `CAMPAIGN/manifest.jsonl`, appended under an exclusive flock. Under the
   lock a writer first reads what others appended since it last looked (from its own
   offset, so no write re-reads the file) and appends only the lines of jobs not there yet.
+  A writer keeps the ids of the last RECENT_IDS lines of a campaign, not all of them, so a
+  worker's memory is bounded however large the campaign: two renders of one job (a
+  duplicate delivery) store within moments of each other, and a job that comes back found
+  stored is looked for in the whole file (`holds`).
 - GCS: an object cannot be appended to; rewriting it per batch moves bytes that grow with
   the campaign, and GCS takes about one write a second per object. So the manifest is a
   folder of parts, `CAMPAIGN/manifest/TIME-WRITER-SEQ.jsonl`, one per stored batch, each
@@ -28,6 +32,7 @@ import fcntl
 import itertools
 import json
 import logging
+import mmap
 import os
 import re
 import socket
@@ -49,6 +54,8 @@ PART_RE = re.compile(r"(\d{20})-[A-Za-z0-9.-]{1,64}-\d{8}\.jsonl")  # TIME-WRITE
 # whose clock runs behind (or an upload still in flight) is not missed by a reader.
 CLOCK_MARGIN_NS = 10 * 60 * 10**9
 FETCH_THREADS = 8
+RECENT_IDS = 100_000  # job ids a local manifest's writer keeps per campaign (about 10 MB)
+RECENT_CAMPAIGNS = 8  # campaigns it keeps them for, the least recently written forgotten first
 
 
 @dataclasses.dataclass
@@ -102,28 +109,47 @@ def open_manifest(storage: Storage) -> Manifest:
     raise TypeError(f"no manifest for {type(storage).__name__}")
 
 
+@dataclasses.dataclass
+class _Recent:
+    """What a local manifest's writer knows of a campaign's file: how far it has read, and
+    the job ids of the last RECENT_IDS lines (a dict, for its insertion order)."""
+
+    offset: int = 0
+    ids: dict[str, None] = dataclasses.field(default_factory=dict)
+
+    def add(self, ids: Iterable[str]) -> None:
+        for job_id in ids:
+            self.ids.pop(job_id, None)
+            self.ids[job_id] = None
+        for oldest in list(itertools.islice(self.ids, max(0, len(self.ids) - RECENT_IDS))):
+            del self.ids[oldest]
+
+
 class FileManifest(Manifest):
     """`CAMPAIGN/manifest.jsonl` on a local disk, idempotent under an exclusive flock."""
 
     def __init__(self, storage: LocalStorage) -> None:
         self.storage = storage
         self._lock = threading.Lock()  # flock is per process; this orders our own threads
-        self._seen: dict[str, tuple[int, set[str]]] = {}  # campaign -> (offset read, job ids)
+        self._recent: dict[str, _Recent] = {}  # by campaign, the least recently used first
 
     def new_part(self, campaign: str) -> str:
         return MANIFEST_BASENAME
 
-    def _catch_up(self, campaign: str, fd: int) -> set[str]:
-        """The job ids in the file, reading only what was appended since the last look."""
-        offset, ids = self._seen.get(campaign, (0, set()))
+    def _catch_up(self, campaign: str, fd: int) -> _Recent:
+        """The campaign's recent job ids, after reading what was appended since the last look."""
+        recent = self._recent.pop(campaign, None) or _Recent()
+        self._recent[campaign] = recent
+        for forgotten in list(itertools.islice(self._recent, max(0, len(self._recent) - RECENT_CAMPAIGNS))):
+            del self._recent[forgotten]
         size = os.fstat(fd).st_size
-        if size < offset:  # the file was replaced: read it again
-            offset, ids = 0, set()
-        data = os.pread(fd, size - offset, offset)
+        if size < recent.offset:  # the file was replaced: read it again
+            recent.offset, recent.ids = 0, {}
+        data = os.pread(fd, size - recent.offset, recent.offset)
         whole = data.rfind(b"\n") + 1  # a torn last line (a writer died) is not a record yet
-        ids.update(filter(None, map(job_id_of, _lines(data[:whole]))))
-        self._seen[campaign] = (offset + whole, ids)
-        return ids
+        recent.add(filter(None, map(job_id_of, _lines(data[:whole]))))
+        recent.offset += whole
+        return recent
 
     def append(self, campaign: str, part: str, entries: list[tuple[str, str]]) -> None:
         data = _encode(entries)
@@ -135,8 +161,8 @@ class FileManifest(Manifest):
             fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
-                ids = self._catch_up(campaign, fd)
-                fresh = [(job_id, line) for job_id, line in dict(entries).items() if job_id not in ids]
+                recent = self._catch_up(campaign, fd)
+                fresh = [(job_id, line) for job_id, line in dict(entries).items() if job_id not in recent.ids]
                 if not fresh:
                     return
                 payload = _encode(fresh)
@@ -146,8 +172,8 @@ class FileManifest(Manifest):
                 os.write(fd, payload)
                 if self.storage.durable:
                     os.fsync(fd)
-                ids.update(job_id for job_id, _ in fresh)
-                self._seen[campaign] = (size + len(payload), ids)
+                recent.add(job_id for job_id, _ in fresh)
+                recent.offset = size + len(payload)
             finally:
                 os.close(fd)  # releases the flock
 
@@ -160,7 +186,7 @@ class FileManifest(Manifest):
                 return False
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH)
-                return job_id in self._catch_up(campaign, fd)
+                return job_id in self._catch_up(campaign, fd).ids or _in_file(fd, job_id)
             finally:
                 os.close(fd)
 
@@ -225,6 +251,23 @@ class PartsManifest(Manifest):
             return self.storage.get(f"{campaign}/{MANIFEST_BASENAME}")
         except FileNotFoundError:
             return b""
+
+
+def _in_file(fd: int, job_id: str) -> bool:
+    """Whether a manifest file has a line of `job_id`: a search of its bytes (memory-mapped,
+    so the file is never held in memory), each hit confirmed by reading its line."""
+    size = os.fstat(fd).st_size
+    if not size:
+        return False
+    needle = job_id.encode()
+    with mmap.mmap(fd, size, prot=mmap.PROT_READ) as data:
+        at = data.find(needle)
+        while at >= 0:
+            start, end = data.rfind(b"\n", 0, at) + 1, data.find(b"\n", at)
+            if end >= 0 and job_id_of(data[start:end]) == job_id:
+                return True
+            at = data.find(needle, at + 1)
+    return False
 
 
 def _encode(entries: list[tuple[str, str]]) -> bytes:

@@ -24,10 +24,13 @@ Keys (CAMPAIGN is validated by the job contract, so it cannot reach outside its 
 Counted (windowed) campaigns have no submitted, done or submission sets; instead:
   rf:c:CAMPAIGN:open        set of job ids queued or running
   rf:c:CAMPAIGN:counts      hash: window (marks the campaign counted), jobs (its total),
-                            submitted, done, fed (1 once a run has submitted every job)
+                            submitted, done, fed (1 once a run has submitted every job),
+                            admit (the last admit's token and how many jobs it opened: an
+                            admit sent again finds it and does nothing)
   rf:c:CAMPAIGN:feeder      the feeding run's lock (host:pid), expiring unless renewed;
                             renewed or released only by its holder (lua/renew_lock.lua,
-                            lua/release_lock.lua, run by producer/window.py)
+                            lua/release_lock.lua, run by producer/window.py); an admit
+                            (lua/admit.lua) checks it, so a stalled run sends nothing
   rf:queues                 set of queue names producers have used
   the queues' lists         kombu's priority lists (renderfarm/queue.py): `admit` pushes a
                             counted campaign's messages onto them with its record
@@ -41,6 +44,8 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.retry import Retry
 
 QUEUES = "rf:queues"
 
@@ -50,7 +55,17 @@ def _lua(name: str) -> str:
 
 
 FINISH, SETTLE, ADMIT = _lua("finish.lua"), _lua("settle.lua"), _lua("admit.lua")
+REQUEUE = _lua("requeue.lua")  # a dead letter back on its queue (renderfarm/deadletters.py)
 RENEW_LOCK, RELEASE_LOCK = _lua("renew_lock.lua"), _lua("release_lock.lua")  # the feeder's lock
+
+
+def retrying_client(url: str) -> redis.Redis:
+    """A client that sends a command again when its connection drops before the reply came
+    (three times, backing off), as redis-py's clients made from arguments do and those made
+    from a URL do not. Only for callers whose every command may run twice: the windowed feeder
+    (its admits and lock scripts are idempotent) and the dead letters' requeue."""
+    return redis.Redis.from_url(url, retry=Retry(ExponentialWithJitterBackoff(base=0.1, cap=2), 3),
+                                retry_on_error=[redis.ConnectionError, redis.TimeoutError])
 
 
 def key(campaign: str, what: str) -> str:
@@ -91,17 +106,24 @@ class Progress:
         """Whether the campaign is fed through a window (counts, not sets of ids)."""
         return bool(self.r.hexists(key(campaign, "counts"), "window"))
 
-    def admit(self, campaign: str, job_ids: list[str], queues: list[str], messages: dict[str, list[str]]) -> None:
-        """A counted campaign's jobs into its open set and their messages (stored form, by
-        Redis list) onto their queues, in one atomic script: a feeder that dies or loses Redis
-        leaves no open job without a message (the feeder sends only jobs that are neither
-        stored nor open: producer/window.py)."""
+    def admit(self, campaign: str, jobs: list[tuple[str, str, str]], queues: list[str], holder: str,
+              token: str) -> tuple[str, int]:
+        """A counted campaign's (job id, Redis list, stored message) jobs into its open set and
+        onto their lists, in one atomic script (lua/admit.lua): a feeder that dies or loses
+        Redis leaves no open job without a message. Only for the run holding the feeder lock
+        (`holder`, its token) and only while the campaign is not cancelled; idempotent by
+        `token` (fresh per admit), and a job already open is not pushed again. Returns the
+        outcome ('ok', 'lock' or 'cancelled') and how many jobs became open."""
+        lists = list(dict.fromkeys(name for _, name, _ in jobs))
+        where = {name: n for n, name in enumerate(lists, 1)}
         keys = [key(campaign, "open"), key(campaign, "counts"), key(campaign, "failed"),
-                key(campaign, "attempts"), key(campaign, "times"), QUEUES, *messages]
-        args = [time.time(), len(job_ids), *job_ids, len(queues), *queues]
-        for stored in messages.values():
-            args += [len(stored), *stored]
-        self._admit(keys=keys, args=args)
+                key(campaign, "attempts"), key(campaign, "times"), QUEUES, key(campaign, "feeder"),
+                key(campaign, "cancel"), *lists]
+        args: list[Any] = [time.time(), token, holder, len(queues), *queues]
+        for job_id, name, message in jobs:
+            args += [job_id, where[name], message]
+        outcome, newly = self._admit(keys=keys, args=args)
+        return outcome.decode(), int(newly)
 
     def done_among(self, campaign: str, job_ids: list[str]) -> list[bool]:
         """Which of these jobs are already stored (a re-submission skips them)."""
@@ -113,10 +135,10 @@ class Progress:
         self.r.set(key(campaign, "cancel"), 1)
 
     def resume(self, campaign: str) -> None:
-        """Lift a cancel: a new run of the campaign renders what is still missing."""
-        pipe = self.r.pipeline(transaction=False)
-        pipe.delete(key(campaign, "cancel"), key(campaign, "cancelled"))
-        pipe.execute()
+        """Lift a cancel: a new run of the campaign renders what is still missing. One command,
+        so no job is recorded cancelled in between (lua/settle.lua records one only while the
+        flag stands)."""
+        self.r.delete(key(campaign, "cancel"), key(campaign, "cancelled"))
 
     # -- worker side ---------------------------------------------------------------
 
@@ -186,14 +208,16 @@ class Progress:
         """The job goes back to the queue (it will be tried again)."""
         self.r.srem(key(campaign, "running"), job_id)
 
-    def skipped(self, campaign: str, job_id: str) -> None:
-        self._settled(campaign, job_id, "cancelled")
+    def skipped(self, campaign: str, job_id: str) -> bool:
+        """Recorded as skipped, its campaign being cancelled; False if a run lifted the cancel
+        since the worker looked (the job is to go back on its queue)."""
+        return self._settled(campaign, job_id, "cancelled") >= 0
 
-    def _settled(self, campaign: str, job_id: str, outcome: str, reason: str = "") -> None:
+    def _settled(self, campaign: str, job_id: str, outcome: str, reason: str = "") -> int:
         """Failed or skipped, unless done already: lua/settle.lua counts the job once."""
-        self._settle(keys=[key(campaign, what) for what in ("running", "open", "done", "failed", "cancelled",
-                                                             "counts")],
-                     args=[job_id, outcome, reason])
+        return int(self._settle(keys=[key(campaign, what) for what in (
+            "running", "open", "done", "failed", "cancelled", "counts", "attempts", "cancel")],
+            args=[job_id, outcome, reason]))
 
     # -- status --------------------------------------------------------------------
 
@@ -207,7 +231,7 @@ class Progress:
         pipe.hgetall(key(campaign, "counts"))
         submitted, running, done, cancelled, open_jobs, failed, times, cancel, counts = pipe.execute()
         failed = {k.decode(): v.decode() for k, v in failed.items()}
-        counts = {k.decode(): int(v) for k, v in counts.items()}
+        counts = {k.decode(): int(v) for k, v in counts.items() if k != b"admit"}
         window = counts.get("window")
         if window is None:
             queued = max(0, submitted - running - done - cancelled - len(failed))

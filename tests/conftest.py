@@ -54,7 +54,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # `make test` runs two processes (pytest-xdist; compiling is single-threaded). The files that use
 # the session's farm run in one of them, so one farm starts; the oracle's renders of each model
 # family run in one, so each family's models load once (SDXL's and the others' side by side).
-FARM_FILES = ("test_farm.py", "test_promises.py", "test_campaigns.py", "test_metrics.py", "test_flower.py")
+FARM_FILES = ("test_farm.py", "test_promises.py", "test_campaigns.py", "test_window.py", "test_metrics.py",
+              "test_flower.py")
 ORACLE_FILES = ("test_reference.py", "test_engine.py", "test_single_file.py")
 FLUX_FILES = ("test_flux.py", "test_flux_files.py", "test_flux_lora.py")
 # Files whose module-scoped fixtures are costly (renders, workers): each runs in one process, so

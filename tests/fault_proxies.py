@@ -6,7 +6,9 @@
   worker hears it). Every request is recorded, so a test can wait for the worker to reach
   a point ("its manifest part is being written") without guessing.
 - TcpProxy: a byte pump in front of redis-server (the worker's broker URL) that a test can
-  pause: while paused, nothing the worker sends reaches Redis and nothing comes back.
+  pause: while paused, nothing the worker sends reaches Redis and nothing comes back. It can
+  also let a command reach Redis and drop the connection before the reply comes back (what
+  a client then retries, Redis has already run once).
 
 Both are real network hops: the worker's clients and the servers are the real ones.
 """
@@ -174,6 +176,9 @@ class TcpProxy:
         self._listener = socket.create_server(("127.0.0.1", self.port))
         self._closed = False
         self._open: list[socket.socket] = []
+        self._cut: tuple[bytes, ...] = ()
+        self._cutting: socket.socket | None = None  # the client whose next reply is dropped
+        self.cut = threading.Event()  # set once a reply was dropped
         threading.Thread(target=self._accept, daemon=True).start()
 
     def url(self, db: int = 0, password: str | None = None) -> str:
@@ -199,12 +204,24 @@ class TcpProxy:
                 continue
             self._open += [client, server]
             for a, b in ((client, server), (server, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+                threading.Thread(target=self._pump, args=(a, b, a is client), daemon=True).start()
 
-    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+    def cut_reply(self, *markers: bytes) -> None:
+        """The next request holding any of `markers` reaches Redis, and its connection drops
+        before the reply comes back (once; `cut` is set then)."""
+        self.cut.clear()
+        self._cut = markers
+
+    def _pump(self, source: socket.socket, sink: socket.socket, upstream: bool) -> None:
         try:
             while data := source.recv(65536):
                 self.running.wait()
+                if upstream and self._cut and any(marker in data for marker in self._cut):
+                    self._cut, self._cutting = (), source
+                elif not upstream and self._cutting is sink:
+                    self._cutting = None
+                    self.cut.set()
+                    return  # the finally drops both sockets: the reply never arrives
                 sink.sendall(data)
         except OSError:
             pass

@@ -324,7 +324,9 @@ def test_a_counted_campaign_tells_a_job_delivered_again_after_it_finished(redis_
     client.flushall()
     progress = Progress(client)
     client.hset("rf:c:counted:counts", "window", 10)
-    progress.admit("counted", ["a", "b"], ["rf.q"], {"rf.q": ["message a", "message b"]})
+    client.set("rf:c:counted:feeder", "holder")
+    assert progress.admit("counted", [("a", "rf.q", "message a"), ("b", "rf.q", "message b")], ["rf.q"],
+                          "holder", "first") == ("ok", 2)
     assert client.lrange("rf.q", 0, -1) == [b"message b", b"message a"]  # as LPUSH rf.q a b
     client.delete("rf.q")
     assert progress.started([("counted", "a"), ("counted", "b")]) == [1, 1]
@@ -401,9 +403,11 @@ def test_a_job_counts_once_in_the_state_it_ends_in(redis_server: RedisServer, wi
         progress.submitted("ends", ids, "rf.q")
     else:
         client.hset("rf:c:ends:counts", "window", window)
-        progress.admit("ends", ids, ["rf.q"], {"rf.q": ids})
+        client.set("rf:c:ends:feeder", "holder")
+        progress.admit("ends", [(i, "rf.q", i) for i in ids], ["rf.q"], "holder", "first")
     progress.started(("ends", job_id) for job_id in ids)
     progress.failed("ends", "a", "out of memory")
+    progress.cancel("ends")  # a worker skips a job only while its campaign is cancelled
     progress.skipped("ends", "b")
     progress.finished([("ends", job_id) for job_id in ids], [1.0, 2.0, 4.0])
     counts = lambda: {k: progress.status("ends")[k]  # noqa: E731

@@ -340,6 +340,7 @@ def test_wait_follows_exactly_the_jobs_of_its_submission(broker: str, progress: 
         time.sleep(0.2)
         progress.finished([("wf", ids[0])])
         progress.failed("wf", ids[1], "bad luck")
+        progress.cancel("wf")  # a worker skips a job only while its campaign is cancelled
         progress.skipped("wf", ids[2])
 
     thread = threading.Thread(target=worker)

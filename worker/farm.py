@@ -119,14 +119,25 @@ class Outcomes:
             self._end(job.request, requeue=False)
 
     def skipped(self, job: Job) -> None:
-        """Its campaign was cancelled: acknowledged without rendering."""
+        """Its campaign was cancelled: acknowledged without rendering. If a run lifted the
+        cancel since the worker looked, the job goes back on its queue instead (no attempt
+        was counted for it)."""
+        lifted = []
+
         def record() -> None:
-            self.progress.skipped(job.campaign, job.spec.job_id)
+            if not self.progress.skipped(job.campaign, job.spec.job_id):
+                lifted.append(True)
+                return
             self.app.backend.mark_as_revoked(job.request.id, "campaign cancelled")
 
-        if self._recorded(record, "skipped", 1):
-            job.request.send_event("task-revoked", terminated=False, signum=None, expired=False)
-            self._end(job.request, requeue=False)
+        if not self._recorded(record, "skipped", 1):
+            return
+        if lifted:
+            log.info("job %s: its campaign's cancel was lifted; queued again", job.request.id)
+            self._end(job.request, requeue=True)
+            return
+        job.request.send_event("task-revoked", terminated=False, signum=None, expired=False)
+        self._end(job.request, requeue=False)
 
     def retry(self, job: Job, reason: str, counts: bool = True) -> None:
         """The policy: a failure that is the job's counts as an attempt, and at
