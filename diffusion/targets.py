@@ -10,8 +10,9 @@ GPU targets need jax's CUDA plugin with a described GPU (`GpuTargetConfig`), whi
 Memory per device is the chip's HBM; `usable` is the share of it a program may take: JAX's
 allocator takes 75% of a GPU's memory by default (`XLA_PYTHON_CLIENT_MEM_FRACTION`), and on a
 TPU 10% is left for the runtime and fragmentation (docs/performance.md, "The largest batch per
-device"). libtpu's v4 topology has no megacore: a v4 chip compiles as its two TensorCores, each
-a device with half the chip's memory and peak.
+device"); a worker on the chip itself counts from JAX's `bytes_limit` (`usable_share`).
+libtpu's v4 topology has no megacore: a v4 chip compiles as its two TensorCores, each a device
+with half the chip's memory and peak.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ if TYPE_CHECKING:
     import jax
 
 GIB, GB = 2**30, 10**9
+# The share of a device's memory (HBM, or JAX's `bytes_limit` on the device itself) a program
+# may take: a GPU's limit is already JAX's 75%; on a TPU, 10% is left over.
+TPU_USABLE, GPU_USABLE = 0.9, 0.75
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,16 +53,22 @@ class Target:
 
 
 TARGETS: dict[str, Target] = {target.name: target for target in (
-    Target("tpu-v4-8", "TPU v4-8 (4 chips, 8 TensorCores)", "tpu", 8, 16 * GIB, 0.9, 137.5e12, "v4:2x2x1"),
-    Target("tpu-v5e-8", "TPU v5e-8 (8 chips)", "tpu", 8, 16 * GIB, 0.9, 197e12, "v5e:2x4"),
-    Target("tpu-v5p-8", "TPU v5p-8 (4 chips)", "tpu", 4, 95 * GIB, 0.9, 459e12, "v5p:2x2x1"),
-    Target("tpu-v6e-8", "TPU v6e-8 (8 chips)", "tpu", 8, 32 * GIB, 0.9, 918e12, "v6e:2x4"),
-    Target("h100", "NVIDIA H100 SXM (1 GPU)", "cuda", 1, 80 * GB, 0.75, 989e12),
-    Target("h100-8", "NVIDIA H100 SXM x8", "cuda", 8, 80 * GB, 0.75, 989e12),
-    Target("a100-80g", "NVIDIA A100 80GB (1 GPU)", "cuda", 1, 80 * GB, 0.75, 312e12),
-    Target("l4", "NVIDIA L4 (1 GPU)", "cuda", 1, 24 * GB, 0.75, 121e12),
+    Target("tpu-v4-8", "TPU v4-8 (4 chips, 8 TensorCores)", "tpu", 8, 16 * GIB, TPU_USABLE, 137.5e12, "v4:2x2x1"),
+    Target("tpu-v5e-8", "TPU v5e-8 (8 chips)", "tpu", 8, 16 * GIB, TPU_USABLE, 197e12, "v5e:2x4"),
+    Target("tpu-v5p-8", "TPU v5p-8 (4 chips)", "tpu", 4, 95 * GIB, TPU_USABLE, 459e12, "v5p:2x2x1"),
+    Target("tpu-v6e-8", "TPU v6e-8 (8 chips)", "tpu", 8, 32 * GIB, TPU_USABLE, 918e12, "v6e:2x4"),
+    Target("h100", "NVIDIA H100 SXM (1 GPU)", "cuda", 1, 80 * GB, GPU_USABLE, 989e12),
+    Target("h100-8", "NVIDIA H100 SXM x8", "cuda", 8, 80 * GB, GPU_USABLE, 989e12),
+    Target("a100-80g", "NVIDIA A100 80GB (1 GPU)", "cuda", 1, 80 * GB, GPU_USABLE, 312e12),
+    Target("l4", "NVIDIA L4 (1 GPU)", "cuda", 1, 24 * GB, GPU_USABLE, 121e12),
     Target("cpu", "this machine's CPU devices", "cpu", 0, None, 1.0, None),
 )}
+
+
+def usable_share(platform: str) -> float:
+    """The share of a device's JAX `bytes_limit` a program may take on `platform` (a GPU's
+    limit is already JAX's share of its memory)."""
+    return TPU_USABLE if platform == "tpu" else 1.0
 
 
 def target(name: str) -> Target:

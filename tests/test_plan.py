@@ -1,7 +1,14 @@
-"""`renderfarm plan`'s parts: the targets, the published architectures (shapes, no weights) and
-the attention kernels a traced program took."""
+"""`renderfarm plan`: a model's programs compiled for a target's chips on this CPU machine (a TPU
+v5e-8 topology through libtpu, and the CPU devices), with the kernels, memory, fitting batch
+and FLOPs read from what XLA compiled; its parts (the targets, the published architectures as
+shapes, the attention kernels a traced program took); bad input refused by name."""
 
 from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -9,8 +16,83 @@ import pytest
 
 from diffusion.architectures import ARCHITECTURES, abstract_model
 from diffusion.nn.attention import Call, attention, recording, use_kernel
-from diffusion.targets import TARGETS, target, target_devices
-from renderfarm.jobs import JobError
+from diffusion.targets import GIB, TARGETS, target, target_devices
+from renderfarm.jobs import JobError, JobSpec
+from tests.helpers import Cli
+from worker.plan import Plan, ProgramPlan, engine_for, format_plan, make_plan
+
+def plan_json(cli: Cli, *argv: object) -> tuple[int, dict[str, Any]]:
+    code, out, err = cli("plan", *argv, "--json")
+    assert code in (0, 1), err
+    return code, json.loads(out)
+
+
+def as_plan(data: dict[str, Any]) -> Plan:
+    fields = {key: value for key, value in data.items() if key != "ok"}
+    return Plan(**{**fields, "programs": [ProgramPlan(**p) for p in data["programs"]]})
+
+
+@pytest.fixture(scope="module")
+def tpu_plan(tiny_sd: Path) -> Plan:
+    """The tiny SD at 128x128 (256-token attentions, where splash starts) on a TPU v5e-8."""
+    pytest.importorskip("libtpu", reason="TPU targets compile through libtpu (pip install 'jax[tpu]')")
+    return make_plan(str(tiny_sd), "tpu-v5e-8", (128, 128), steps=2)
+
+
+def test_a_tpu_plan_compiles_with_splash_and_xla_memory(tpu_plan: Plan) -> None:
+    assert tpu_plan.target == "tpu-v5e-8" and tpu_plan.devices == 8 and tpu_plan.ok
+    assert tpu_plan.usable_per_chip == int(16 * GIB * 0.9)
+    assert tpu_plan.auto_model_parallel == 1
+    (program,) = tpu_plan.programs
+    assert program.compiled and program.error is None
+    assert program.shape == "128x128@2 pndm" and program.batch == 8
+    # splash from 128 queries on a TPU, XLA's heads below, as attention.choose says for that backend
+    assert program.kernels["splash"] >= 1 and set(program.kernels) == {"splash", "heads"}
+    assert all((call["kernel"] == "splash") == (call["queries"] >= 128) for call in program.attention)
+    assert program.weights_bytes >= tpu_plan.weights_bytes > 0 and program.temp_bytes > 0
+    assert program.fits and program.total_bytes < program.usable_bytes
+    assert program.flops_per_image > 0 and program.images_per_second_per_chip > 0
+    assert program.compile_seconds > 0
+
+
+def test_the_largest_batch_fits_and_one_more_does_not(tpu_plan: Plan) -> None:
+    (program,) = tpu_plan.programs
+    weights, largest, usable = program.weights_bytes, program.largest_per_device_batch, program.usable_bytes
+    per_image = program.total_bytes - weights  # compiled at one image a device
+    assert largest > 1
+    assert weights + largest * per_image <= usable < weights + (largest + 1) * per_image
+
+
+def test_the_text_report_says_what_the_plan_says(tpu_plan: Plan) -> None:
+    text = format_plan(tpu_plan)
+    (program,) = tpu_plan.programs
+    assert "on tpu-v5e-8: TPU v5e-8 (8 chips), 8 devices" in text
+    assert "auto split: model parallel 1" in text
+    assert "128x128@2 pndm: batch 8 (1 per device, model parallel 1)" in text
+    assert f"splash x{program.kernels['splash']}" in text
+    assert f"largest per-device batch {program.largest_per_device_batch}" in text
+
+
+def test_a_program_that_does_not_fit_says_by_how_much_per_chip(cli: Cli, tiny_sd: Path) -> None:
+    code, data = plan_json(cli, tiny_sd, "--target", "cpu", "--size", "64", "--steps", "2", "--guidance", "1",
+                           "--memory-per-chip", "0.001")
+    assert code == 1 and data["ok"] is False  # a program that does not fit fails the command, for scripts
+    (program,) = data["programs"]
+    assert program["compiled"] and program["shape"] == "64x64@2 pndm cfg-free"
+    assert set(program["kernels"]) == {"batch"}  # the CPU's kernel
+    assert data["devices"] == len(jax.devices("cpu")) and data["usable_per_chip"] == 1_000_000
+    assert program["fits"] is False and program["largest_per_device_batch"] == 0
+    assert program["over_bytes"] == program["total_bytes"] - 1_000_000 > 0
+    text = format_plan(as_plan(data))
+    assert f"DOES NOT FIT: {program['total_bytes'] / 1e6:.2f} MB per chip, {program['over_bytes'] / 1e6:.2f} MB " \
+           "over the 1.00 MB usable" in text
+
+
+def test_the_command_refuses_bad_input_by_name(cli: Cli) -> None:
+    code, out, err = cli("plan", "sd15", "--target", "cpu", "--per-device-batch", "0")
+    assert (code, out) == (2, "") and "per-device-batch=0: must be at least 1" in err
+    code, out, err = cli("plan", "sd15", "--target", "tpu-v5e")
+    assert (code, out) == (2, "") and "target='tpu-v5e': must be one of" in err
 
 
 @pytest.mark.parametrize(("name", "says"), [
@@ -51,3 +133,14 @@ def test_recording_lists_the_kernel_each_attention_took() -> None:
     assert calls == [Call("batch", 256, 77, 4, 8), Call("chunked", 256, 256, 4, 8)]
     jax.jit(lambda q: attention(q, q, q, heads=4)).lower(q)  # outside the block: not recorded
     assert len(calls) == 2
+
+
+def test_auto_per_device_batch_takes_one_job_where_the_backend_reports_no_memory(
+        sd_model: Any, caplog: pytest.LogCaptureFixture) -> None:
+    spec = JobSpec(prompt="a lighthouse", model=sd_model.ref, seed=0, steps=2, width=64, height=64)
+    given = engine_for(sd_model, 3, lambda engine: pytest.fail("a given batch compiles nothing"))
+    assert given.batch_size == 3 * len(given.devices)
+    with caplog.at_level(logging.INFO, logger="worker.plan"):
+        engine = engine_for(sd_model, None, lambda engine: engine.check(spec))
+    assert engine.batch_size == len(engine.devices) and engine.ready(engine.check(spec))
+    assert "the cpu backend reports no memory limit; 1 job a device" in caplog.text

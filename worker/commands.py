@@ -69,7 +69,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from worker.broker import transport_for
     from worker.engine import Engine, enable_compilation_cache
     from worker.executables import ExecutableStore
-    from worker.farm import Batcher, Processor, drain_step, node_name, render_task
+    from worker.farm import Batcher, Processor, StopDeadline, drain_step, node_name, render_task
     from worker.hooks import FleetHook, GalleryHook, MetricsHook, RateLog
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -121,7 +121,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     processor = Processor(engine, storage, progress, app, settings, store_threads=args.store_threads,
                           hooks=hooks, metrics=metrics)
     app.register_task(render_task(Batcher(processor, engine.batch_size, args.max_wait)))
-    app.steps["consumer"].add(drain_step(processor, args.drain_seconds))
+    app.steps["consumer"].add(drain_step(StopDeadline(processor, args.drain_seconds)))
     log.info(
         "serving %s (%s) from queue %r in batches of %d on %d %s devices, storing to %s",
         model.ref, model.dtype, queue, engine.batch_size, len(engine.devices),
