@@ -153,11 +153,6 @@ class Progress:
             pipe.exists(key(campaign, "cancel"))
         return {c for c, flag in zip(campaigns, pipe.execute()) if flag}
 
-    def refund_attempt(self, campaign: str, job_id: str) -> None:
-        """An attempt that ended for reasons not the job's (storage down, the worker stopping)
-        does not count."""
-        self.r.hincrby(key(campaign, "attempts"), job_id, -1)
-
     def started(self, jobs: Iterable[tuple[str, str]]) -> list[int]:
         """Mark (campaign, job id) pairs running; returns each job's attempt number. A counted
         campaign forgets a job's attempts when it is done, so a job of one that is no longer
@@ -204,9 +199,16 @@ class Progress:
     def failed(self, campaign: str, job_id: str, reason: str) -> None:
         self._settled(campaign, job_id, "failed", reason)
 
-    def released(self, campaign: str, job_id: str) -> None:
-        """The job goes back to the queue (it will be tried again)."""
-        self.r.srem(key(campaign, "running"), job_id)
+    def released(self, jobs: Iterable[tuple[str, str]], refund: bool = False) -> None:
+        """(campaign, job id) pairs go back to the queue (to be tried again), in one round
+        trip, so a stopping worker puts back all it holds at once; `refund`: their attempts
+        ended for reasons not theirs (storage down, the worker stopping) and do not count."""
+        pipe = self.r.pipeline(transaction=False)
+        for campaign, job_id in jobs:
+            if refund:
+                pipe.hincrby(key(campaign, "attempts"), job_id, -1)
+            pipe.srem(key(campaign, "running"), job_id)
+        pipe.execute()
 
     def skipped(self, campaign: str, job_id: str) -> bool:
         """Recorded as skipped, its campaign being cancelled; False if a run lifted the cancel

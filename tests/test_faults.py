@@ -430,6 +430,41 @@ def test_sigterm_under_load_stores_what_it_can_and_requeues_the_rest_at_once(
           f"(uploads {'let go after 1 s' if release_after else 'held throughout'})")
 
 
+DRAIN_EXIT_MARGIN = 1.0  # seconds past its drain deadline a worker may take to put its jobs back and exit
+
+
+@pytest.mark.farm
+def test_the_drain_deadline_holds_while_a_batch_outlasts_it(
+        start_worker: Callable[..., WorkerProcess], tiny_sd: Path, tmp_path: Path,
+        redis_server: RedisServer) -> None:
+    """A batch on the devices takes longer than the whole drain window (256x256, 20 steps:
+    seconds on these CPU devices; `--drain-seconds 2`), so the worker's main thread is
+    waiting on the devices when SIGTERM comes. The deadline holds anyway: the process is
+    gone by SIGTERM + drain seconds (and DRAIN_EXIT_MARGIN, what putting the jobs back
+    takes), the batch's results dropped and every job back on its queue at once, its
+    attempt not counted; a second worker renders each one once."""
+    model = model_copy(tiny_sd, tmp_path, "outlasted")
+    r, progress = redis_server.client(), Progress(redis_server.client())
+    worker = start_worker(model, "outlasted", env={"RENDERFARM_VISIBILITY_TIMEOUT": "3600"},
+                          extra=("--drain-seconds", "2", "--precompile", "256x256@20"))
+    specs = enqueue(farm_app(redis_server.url), progress,
+                    jobs(model, "outlasted", 16, width=256, height=256, steps=20))
+    wait_for(lambda: progress.status("outlasted")["running"] == 16, 60, "both batches on the devices")
+    started = time.monotonic()
+    worker.proc.send_signal(signal.SIGTERM)
+    worker.proc.wait(60)
+    exited = time.monotonic() - started
+    assert exited <= 2 + DRAIN_EXIT_MARGIN, f"exited {exited:.2f}s after SIGTERM"
+    assert progress.status("outlasted")["done"] == 0  # no batch finished in the window
+    assert r.hlen("unacked") == 0 and queued(r, model) == 16  # all back, none left for the timeout
+    start_worker(model, "rescuer")
+    status = wait_done(progress, "outlasted", 16)
+    assert (status["done"], status["failed"]) == (16, 0)
+    assert_exactly_once(specs)
+    assert set(attempts(r, specs)) == {1}  # the stopped worker's attempt was not counted
+    print(f"drain deadline: exited {exited:.2f}s after SIGTERM with --drain-seconds 2, a batch on the devices")
+
+
 # --------------------------------------------------------------------------- compiling
 
 

@@ -33,7 +33,9 @@ import functools
 import json
 import logging
 import os
+import signal
 import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -62,6 +64,12 @@ log = logging.getLogger("renderfarm.worker")
 # Seconds without an arriving job after which idle devices take a partial batch: while the
 # queue has jobs, the worker's pop (worker.broker) brings them in far quicker than that.
 QUEUE_QUIET = 0.05
+# Slices of the main thread's wait for the devices: Python runs a signal's handler on the
+# main thread between bytecodes only, so a wait that never returned would hold a stop off.
+WAIT_SLICE = 0.005
+WARM_STOPS = frozenset({signal.SIGTERM, signal.SIGINT})  # Celery's warm shutdown
+# Of the drain window, what putting the held jobs back and Celery's own exit get.
+SETTLE_SECONDS = 1.0
 BROKER_ERRORS = (redis.RedisError, OSError)  # what Redis being away raises in an outcome
 
 
@@ -148,16 +156,19 @@ class Outcomes:
             self._count("attempts")
             self.failed(job, f"{reason} (after {job.attempt} attempts)")
             return
-        log.warning("job %s attempt %d did not finish, queued again: %s", job.request.id, job.attempt, reason)
-        self._count("storage" if reason.startswith(("storage", "broker")) else "render")
+        self.put_back([job], reason, counts)
 
-        def record() -> None:
-            if not counts:
-                self.progress.refund_attempt(job.campaign, job.spec.job_id)
-            self.progress.released(job.campaign, job.spec.job_id)
-
-        self._recorded(record, "released", 1)
-        self._end(job.request, requeue=True)
+    def put_back(self, jobs: list[Job], reason: str, counts: bool = False) -> None:
+        """Jobs back on the queue at once, recorded in one round trip (a stopping worker puts
+        back all it holds in the last second of its window); `counts`: whether the attempt
+        counts (the retry policy's to say)."""
+        for job in jobs:
+            log.warning("job %s attempt %d did not finish, queued again: %s", job.request.id, job.attempt, reason)
+            self._count("storage" if reason.startswith(("storage", "broker")) else "render")
+        self._recorded(lambda: self.progress.released([job.ident for job in jobs], refund=not counts),
+                       "released", len(jobs))
+        for job in jobs:
+            self._end(job.request, requeue=True)
 
     def _count(self, reason: str) -> None:
         if self.metrics is not None:
@@ -306,8 +317,13 @@ class Processor:
             self._collect(earlier)
 
     def _collect(self, batch: JobBatch) -> None:
-        """Wait for a batch on the devices, then hand it to the writer."""
+        """Wait for a batch on the devices, then hand it to the writer. The wait gives up
+        once the worker is stopping: the main thread must get back to Celery's loop for
+        the drain to start, and the drain takes the batch from there."""
         self._idle_since = time.monotonic()
+        while not batch.inflight.ready():
+            if self.writer.stopping.wait(WAIT_SLICE):
+                return
         try:
             rendered = self.engine.collect(batch.inflight)
         except Exception:  # noqa: BLE001
@@ -371,22 +387,25 @@ class Processor:
 
     # -- stopping --------------------------------------------------------------------
 
-    def drain(self, deadline: float) -> None:
-        """Warm shutdown (SIGTERM; a spot VM's notice): store what can be stored by
-        `deadline` (monotonic) and put every other job back on the queue now, not after the
-        visibility timeout; an unfinished attempt does not count."""
+    def drain(self, until: float) -> None:
+        """Warm shutdown (SIGTERM; a spot VM's notice): store what can be stored by `until`
+        (monotonic); `give_back` then puts every other job back on its queue."""
         self.writer.stopping.set()
         for batch in self._held(State.RENDERING):
-            while not batch.inflight.ready() and time.monotonic() < deadline:
+            while not batch.inflight.ready() and time.monotonic() < until:
                 time.sleep(0.05)
             if batch.inflight.ready():
                 self._collect(batch)
-        self.writer.finish(until=deadline)
+        self.writer.finish(until=until)
+
+    def give_back(self) -> None:
+        """Put every job still held back on its queue now, not after the visibility timeout
+        (a batch still on the devices included: its results are dropped); an unfinished
+        attempt does not count."""
         self.writer.abandon()  # what is still storing goes back on the queue with the rest
         batches = (self.gatherer.take_all() if self.gatherer else []) + self._held()
         waiting = [job for batch in batches for job in batch.release_all()]
-        for job in waiting:
-            self.outcomes.retry(job, "the worker is stopping", counts=False)
+        self.outcomes.put_back(waiting, "the worker is stopping")
         self.drained = True
         log.info("drained: %d jobs put back on the queue", len(waiting))
 
@@ -501,30 +520,95 @@ class Batcher:
         return handler
 
 
-def drain_step(processor: Processor, drain_seconds: float) -> type[bootsteps.StartStopStep]:
-    """A consumer bootstep that drains the processor on warm shutdown. It stops before the
-    task consumer (it requires it), so the channel is still open to ack and requeue."""
-    stopping: list[float] = []
+class StopDeadline:
+    """A warm shutdown's deadline, held whatever the main thread is doing. Python runs a
+    signal's handler on the main thread, between bytecodes: while that thread waits on the
+    devices (a dispatch can block until the batch before is done), a one-by-one render or
+    a slow call, Celery does not even hear of the signal, and a batch can take longer than
+    the whole drain window. The interpreter's C handler writes each signal to the wakeup
+    fd at once; a thread of this class reads it there. The drain (main thread) stores what
+    it can until SETTLE_SECONDS before the deadline (the signal + `drain_seconds`), then
+    puts the rest back; if by then it has not, this thread does (a batch still on the
+    devices included: its results are dropped) and ends the process at once, else it
+    ends it at the deadline. One lock: whichever comes first settles."""
 
-    @signals.worker_shutting_down.connect(weak=False)
-    def shutting_down(**_: Any) -> None:  # in the signal handler: only note the moment
-        stopping.append(time.monotonic())
-        processor.writer.stopping.set()
+    def __init__(self, processor: Processor, drain_seconds: float) -> None:
+        self.processor, self.drain_seconds = processor, drain_seconds
+        self.deadline: float | None = None  # monotonic, from the first stop signal
+        self.consumer: Any = None  # Celery's consumer: its event loop and channel send the acks
+        self._settling = threading.Lock()
+        self._signals: int | None = None  # the read end of the wakeup fd
 
-    class Drain(bootsteps.StartStopStep):
-        requires = ("celery.worker.consumer.tasks:Tasks",)
+    def watch(self, consumer: Any) -> None:
+        """Hear stop signals from now on (on the main thread: the wakeup fd is set there)."""
+        self.consumer = consumer
+        if self._signals is not None:  # a reconnection: the same consumer, watched already
+            return
+        self._signals, write = os.pipe()
+        os.set_blocking(write, False)
+        signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, name="stop-deadline", daemon=True).start()
 
-        def shutdown(self, c: Any) -> None:
-            if not stopping:  # a reconnection, not a shutdown: nothing to drain
-                return
-            processor.drain(stopping[0] + drain_seconds)
-            # Celery settles a request (ack, requeue) with a callback on the event loop, which
-            # no longer turns: run them now, while the channel is open, then send the acks.
+    def begin(self) -> None:
+        """A stop signal came (the watching thread or Celery's handler, whichever runs
+        first, notes it): the deadline is set, and every wait for the devices or the
+        writer ends."""
+        if self.deadline is None:
+            self.deadline = time.monotonic() + self.drain_seconds
+        self.processor.writer.stopping.set()
+
+    def settle(self, wait: float = -1) -> bool:
+        """Put back every job the processor still holds, unless the drain did, then send
+        the acks and requeues waiting on Celery's event loop, which no longer turns.
+        Whether it put jobs back (False too if another thread held the lock for `wait` s)."""
+        if not self._settling.acquire(timeout=wait):
+            return False
+        try:
+            gave_back = not self.processor.drained
+            if gave_back:
+                self.processor.give_back()
+            c = self.consumer
             for settle in c.hub._pop_ready() if c.hub is not None else ():
                 settle()
             channel = c.task_consumer.channel if c.task_consumer else None
             if channel is not None:
                 channel.qos.flush_acks()
+            return gave_back
+        finally:
+            self._settling.release()
+
+    def _watch(self) -> None:
+        while self.deadline is None:
+            if WARM_STOPS & set(os.read(self._signals, 64)):
+                self.begin()
+        time.sleep(max(0.0, self.deadline - SETTLE_SECONDS - time.monotonic()))
+        if self.settle(wait=SETTLE_SECONDS):  # the main thread is held up: nothing else will
+            log.warning("drain deadline: every job held went back on its queue; the worker exits, "
+                        "whatever the devices are doing")
+        else:  # the drain settled: Celery's own exit gets until the deadline
+            time.sleep(max(0.0, self.deadline - time.monotonic()))
+        os._exit(0)
+
+
+def drain_step(stop: StopDeadline) -> type[bootsteps.StartStopStep]:
+    """A consumer bootstep that drains the processor on warm shutdown. It stops before the
+    task consumer (it requires it), so the channel is still open to ack and requeue."""
+
+    @signals.worker_shutting_down.connect(weak=False)
+    def shutting_down(**_: Any) -> None:  # in the signal handler
+        stop.begin()
+
+    class Drain(bootsteps.StartStopStep):
+        requires = ("celery.worker.consumer.tasks:Tasks",)
+
+        def start(self, c: Any) -> None:
+            stop.watch(c)
+
+        def shutdown(self, c: Any) -> None:
+            if stop.deadline is None:  # a reconnection, not a shutdown: nothing to drain
+                return
+            stop.processor.drain(stop.deadline - SETTLE_SECONDS)
+            stop.settle()
 
     return Drain
 
