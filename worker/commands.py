@@ -10,6 +10,7 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from renderfarm.flags import broker_flag, job_defaults, job_flags, weights_flags
@@ -69,6 +70,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from worker.broker import transport_for
     from worker.engine import Engine, enable_compilation_cache
     from worker.executables import ExecutableStore
+    from worker.plan import engine_for
     from worker.farm import Batcher, Processor, StopDeadline, drain_step, node_name, render_task
     from worker.hooks import FleetHook, GalleryHook, MetricsHook, RateLog
 
@@ -80,16 +82,23 @@ def cmd_worker(args: argparse.Namespace) -> int:
     model = load_named_model(args)
     log = logging.getLogger("renderfarm.worker")
     log.info("%s (%s) loaded in %.1fs", model.ref, model.dtype, time.perf_counter() - started)
-    engine = Engine(model, per_device_batch=args.per_device_batch, max_programs=args.max_programs,
-                    executables=ExecutableStore(cache / "executables", max_bytes=args.compile_cache_max_gb * 2**30))
-    for shape in shapes:
-        started = time.perf_counter()
+
+    def key_of(engine: Engine, shape: dict[str, Any]) -> Any:
+        """The shape key of a --precompile shape (none given: the model's native size, 25 steps, guided)."""
         job = {"prompt": "-", "model": model.ref, "seed": 0, "dtype": args.dtype, "variant": args.variant,
                "base": model.base, "loras": model.loras, **shape}
         try:
-            key = engine.check(parse_job(job, size_step=model.size_step))
+            return engine.check(parse_job(job, size_step=model.size_step))
         except JobError as err:
             raise JobError("precompile", f"{shape['width']}x{shape['height']}@{shape['steps']}", str(err)) from None
+
+    # --per-device-batch auto sizes batches for the first --precompile shape
+    engine = engine_for(model, args.per_device_batch, lambda engine: key_of(engine, shapes[0] if shapes else {}),
+                        max_programs=args.max_programs,
+                        executables=ExecutableStore(cache / "executables", max_bytes=args.compile_cache_max_gb * 2**30))
+    for shape in shapes:
+        started = time.perf_counter()
+        key = key_of(engine, shape)
         engine.compiled(key)
         log.info("%s ready in %.1fs", key, time.perf_counter() - started)
     # Outages longer than the default retry window must not fail jobs: keep trying ~5 min.
@@ -147,14 +156,17 @@ def cmd_render(args: argparse.Namespace) -> int:
     first = list(itertools.islice(rows, 1))
     if not first:
         raise JobError("prompts", None, "give at least one PROMPT or --prompts FILE")
-    from worker.engine import Engine, enable_compilation_cache
+    from worker.engine import enable_compilation_cache
     from worker.executables import ExecutableStore
     from worker.local import render_to_storage
+    from worker.plan import engine_for
 
     cache = enable_compilation_cache(args.compile_cache)
     model = load_named_model(args)
     specs = list(build_jobs(itertools.chain(first, rows), job_defaults(args), args.seed, model.size_step))
-    engine = Engine(model, per_device_batch=args.per_device_batch, executables=ExecutableStore(cache / "executables"))
+    # --per-device-batch auto sizes batches for the first job's shape
+    engine = engine_for(model, args.per_device_batch, lambda engine: engine.check(specs[0]),
+                        executables=ExecutableStore(cache / "executables"))
     engine.plan(specs)  # the model's own rules (sampler, size) refuse a job before anything is written
     storage = open_storage(args.out, durable=False)  # nothing is acked on it
     report = render_to_storage(specs, engine, storage, progress=not args.quiet, store_threads=args.store_threads)
@@ -197,20 +209,29 @@ def devices_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-parallel", type=_model_parallel, default=None, metavar="N|auto",
                         help="devices that share one copy of the weights, split over them (diffusion/sharding.py); "
                              "auto: the fewest whose memory holds them, 1 where they fit one device (default auto)")
-    parser.add_argument("--per-device-batch", type=int, default=1, metavar="N",
-                        help="jobs per copy of the weights in a batch (a batch is devices / model-parallel x N jobs; "
-                             "default 1)")
+    parser.add_argument("--per-device-batch", type=_per_device_batch, default=1, metavar="N|auto",
+                        help="jobs per copy of the weights in a batch (a batch is devices / model-parallel x N jobs); "
+                             "auto: the most the device's memory holds, from the program compiled at 1 "
+                             "(default 1)")
 
 
-def _model_parallel(text: str) -> int | None:
-    if text == "auto":
-        return None
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: a number of devices (1 or more) or auto")
-    return int(text)
+def _count_or_auto(what: str) -> Callable[[str], int | None]:
+    """A flag's parser of a count of `what` (1 or more) or `auto` (None)."""
+    def parse(text: str) -> int | None:
+        if text == "auto":
+            return None
+        if not text.isdigit() or int(text) < 1:
+            raise argparse.ArgumentTypeError(f"{text!r}: a number of {what} (1 or more) or auto")
+        return int(text)
+    return parse
+
+
+_model_parallel, _per_device_batch = _count_or_auto("devices"), _count_or_auto("jobs")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from worker import plan
+
     tiny = sub.add_parser("tiny-model", help="build a tiny random-weight pipeline (tests, demos)")
     tiny.add_argument("dir", help="the folder to write it to")
     tiny.add_argument("--kind", default="sd", help="the model family, as diffusion/families names it (default sd)")
@@ -257,3 +278,5 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="on SIGTERM, seconds to finish and store what is rendering before the "
                              "rest goes back on the queue (default 25: inside a spot VM's 30 s notice)")
     worker.set_defaults(handler=cmd_worker)
+
+    plan.register(sub, _model_parallel)
