@@ -27,6 +27,7 @@ from diffusion.family import Networks
 from diffusion.nn.unet import UNet2DConditionModel
 from diffusion.nn.vae import AutoencoderKL
 from diffusion.schedulers import Scheduler
+from diffusion.sharding import tensor_parallel
 
 
 class Inputs(NamedTuple):
@@ -96,7 +97,8 @@ def sample(predict: Callable[[jax.Array, jax.Array], jax.Array], scheduler: Sche
         latents, state = carry
         model_input = scheduler.scale_model_input(state, jnp.concatenate([latents] * halves), i)
         t = jnp.broadcast_to(state.timesteps[i], model_input.shape[:1])
-        prediction = predict(model_input, t).astype(jnp.float32)
+        with tensor_parallel():  # the denoiser is the network a family splits
+            prediction = predict(model_input, t).astype(jnp.float32)
         if static.guided:
             uncond, text = jnp.split(prediction, 2)
             prediction = uncond + guidance * (text - uncond)

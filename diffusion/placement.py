@@ -30,7 +30,7 @@ from diffusion.family import Family, Networks
 from diffusion.generate import Static
 from diffusion.nn.attention import for_backend
 from diffusion.schedulers import Scheduler
-from diffusion.sharding import DATA, MODEL, weight_specs
+from diffusion.sharding import DATA, MODEL, interleaved, weight_specs
 from renderfarm.jobs import JobError
 
 BATCH, WHOLE = PartitionSpec(DATA), PartitionSpec()
@@ -85,9 +85,11 @@ class Placement:
                             is_leaf=lambda x: isinstance(x, PartitionSpec))
 
     def place(self, family: Family, params: Any) -> Any:
-        """`params` (numpy or jax arrays) on the devices, each weight as `weight_shardings` says:
-        a split weight goes shard by shard, so no device holds it whole."""
-        return jax.device_put(params, self.weight_shardings(family, params))
+        """`params` (host arrays, in the checkpoint's layout) on the devices, each weight as
+        `weight_shardings` says: a split weight goes shard by shard, so no device holds it
+        whole, a packed one interleaved first (diffusion.sharding.interleave)."""
+        rules = dict(family.tensor_parallel)
+        return jax.device_put(interleaved(rules, params, self.model_parallel), self.weight_shardings(family, params))
 
     def abstract(self, family: Family, params: Any) -> Any:
         """`params` (arrays or shapes) as shapes placed as `place` would place them: what a

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec
 
 from diffusion.models import load_model
 from diffusion.placement import make_placement
-from diffusion.sharding import MODEL, TensorParallel, choose_model_parallel, weight_specs
+from diffusion.sharding import MODEL, TensorParallel, choose_model_parallel, interleave, weight_specs
 from renderfarm.jobs import JobError, JobSpec
 from worker.engine import Engine
 
@@ -32,6 +32,15 @@ def test_each_weight_is_split_as_megatron_splits_a_transformer_block() -> None:
     assert rules.spec(("conv_in", "kernel"), (3, 3, 4, 320), 4) == PartitionSpec()  # no rule: whole
     assert rules.spec((*block, "to_q", "kernel"), (320, 642), 4) == PartitionSpec()  # 4 does not divide 642
     assert rules.spec((*block, "to_q", "kernel"), (320, 640), 1) == PartitionSpec()
+
+
+def test_a_packed_layer_is_interleaved_so_each_device_holds_its_slice_of_every_chunk() -> None:
+    """Flux's single-block proj_out: rows of attention (1 part) then of the MLP (4 parts)."""
+    rules = TensorParallel(rows=("proj_out",), packed=(("proj_out", (1, 4)),))
+    assert rules.split(("proj_out", "kernel"), (10, 3), 2) == (0, (2, 8))
+    assert rules.split(("proj_out", "kernel"), (10, 3), 4) is None  # 4 does not divide the attention's 2 rows
+    rows = interleave(np.arange(10)[:, None], 0, (2, 8), 2)[:, 0]
+    assert rows.tolist() == [0, 2, 3, 4, 5, 1, 6, 7, 8, 9]  # device 0: attention row 0, MLP rows 0-3; device 1 the rest
 
 
 def test_a_family_splits_only_its_transformer_blocks(tiny_sd: Path) -> None:

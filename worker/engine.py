@@ -158,7 +158,8 @@ class Engine:
         self.devices = self.placement.devices
         self.batch_size = self.placement.batch_size(per_device_batch)
         self._sharded = self.placement.batch
-        self._params = self.placement.place(model.family, model.params)
+        # The loader's placement laid the weights out (packed ones interleaved) for this split.
+        self._params = jax.device_put(model.params, self.placement.weight_shardings(model.family, model.params))
         self._schedulers: dict[tuple[str, str | None, bool | None], Scheduler] = {}
         # Compiled programs, least recently used first; at most max_programs are kept.
         self._compiled: collections.OrderedDict[ShapeKey, Any] = collections.OrderedDict()

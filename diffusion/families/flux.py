@@ -49,7 +49,8 @@ TRANSFORMER_TENSOR_PARALLEL = TensorParallel(
              r"transformer_blocks_\d+/(ff|ff_context)/net_0/proj", r"transformer_blocks_\d+/(norm1|norm1_context)/linear",
              r"single_transformer_blocks_\d+/(norm/linear|proj_mlp)"),
     rows=(r"transformer_blocks_\d+/attn/(to_out_0|to_add_out)", r"transformer_blocks_\d+/(ff|ff_context)/net_2",
-          r"single_transformer_blocks_\d+/proj_out"))
+          r"single_transformer_blocks_\d+/proj_out"),
+    packed=((r"single_transformer_blocks_\d+/proj_out", (1, 4)),))  # rows: attention's, the MLP's (4x wide)
 
 
 class FluxInputs(NamedTuple):

@@ -20,7 +20,8 @@ from diffusion.sharding import TensorParallel
 
 # The UNet's transformer blocks split as Megatron splits one (the ResNets and convolutions stay whole).
 UNET_TENSOR_PARALLEL = TensorParallel(columns=(r".*/attn[12]/to_[qkv]", r".*/ff/net_0/proj"),
-                                      rows=(r".*/attn[12]/to_out_0", r".*/ff/net_2"))
+                                      rows=(r".*/attn[12]/to_out_0", r".*/ff/net_2"),
+                                      packed=((r".*/ff/net_0/proj", (1, 1)),))  # GEGLU: hidden, gate
 
 
 def tokenize(tokenizers: Sequence[Tokenizer], texts: list[str]) -> tuple[np.ndarray, list[bool]]:

@@ -38,6 +38,12 @@ The rule (`choose`), GPU and TPU figures unmeasured (no device where it was writ
   would hold 1 GiB of scores per image, a float32 4096-token UNet self-attention 512 MiB.
   Whether "batch" beats "heads" off the CPU too is for bench/modules.py on the device.
 
+In a program partitioned over a (data, model) mesh (diffusion/placement.py), q, k and v are
+constrained to the batch over `data` and, in the network a family splits (the denoiser,
+`diffusion.sharding.tensor_parallel`), the heads over `model`; the custom kernels (cuDNN,
+splash) run inside a `shard_map` on each device's part, since XLA cannot partition a custom
+call ("Mosaic kernels cannot be automatically partitioned").
+
 `with use_kernel(name): jax.jit(f)(...)` forces a kernel (benchmarks, tests), and
 `with for_backend("tpu"): ...` chooses as on that backend (a program compiled here for a
 target's devices, diffusion/placement.py); both are read when a function is traced, so use a
@@ -57,9 +63,8 @@ import jax.extend.backend
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
-from jax.sharding import PartitionSpec
 
-from diffusion.sharding import DATA, MODEL
+from diffusion.sharding import DATA, heads_axis, partition
 
 LAYOUTS = ("heads", "batch", "split")  # the XLA paths, which run on every backend
 CUSTOM_KERNELS = ("cudnn", "splash")  # custom calls, which XLA cannot partition
@@ -180,7 +185,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, heads: int, causal: bool
         return out.reshape(b, t, inner)
     kernel = _kernel.get() or choose(current_backend(), q.shape, k.shape, q.dtype, causal)
     _record(kernel, q.shape, k.shape)
-    spec = _partition(q.shape)
+    spec = partition(q.shape, (DATA, None, heads_axis(), None))
     if spec is None:
         return _IMPLEMENTATIONS[kernel](q, k, v, causal).reshape(b, t, inner)
     q, k, v = (jax.lax.with_sharding_constraint(x, spec) for x in (q, k, v))
@@ -188,19 +193,6 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, heads: int, causal: bool
     if kernel in CUSTOM_KERNELS:  # XLA cannot partition a custom call: each device runs its own part
         run = jax.shard_map(run, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)
     return jax.lax.with_sharding_constraint(run(q, k, v), spec).reshape(b, t, inner)
-
-
-def _partition(shape: Sequence[int]) -> PartitionSpec | None:
-    """How q, k and v (B, T, N, H) split in a program partitioned over a (data, model) mesh
-    (diffusion/placement.py): the batch over `data`, the heads over `model`, each where the
-    mesh's axis divides it (else whole). None outside such a program (a per-device program,
-    or no mesh), where attention runs as it is."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not mesh.auto_axes:
-        return None
-    b, _, n, _ = shape
-    axis = lambda name, size: name if name in mesh.auto_axes and size % mesh.shape[name] == 0 else None  # noqa: E731
-    return PartitionSpec(axis(DATA, b), None, axis(MODEL, n), None)
 
 
 def _record(kernel: str, q_shape: Sequence[int], k_shape: Sequence[int]) -> None:

@@ -25,6 +25,7 @@ from diffusion.nn import read_config, refuse
 from diffusion.nn.attention import attention
 from diffusion.nn.t5 import RMSNorm
 from diffusion.nn.unet import Dtype, FeedForward, LayerNorm, TimestepEmbedding, timestep_embedding
+from diffusion.sharding import DATA, concat_packed, constrain
 
 EPS = 1e-6  # every norm of the transformer
 THETA = 10000  # FluxPosEmbed's
@@ -127,8 +128,8 @@ class AdaNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, temb: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
-        emb = jnp.split(nn.Dense(self.chunks * x.shape[-1], dtype=self.dtype, name="linear")(nn.silu(temb)),
-                        self.chunks, axis=-1)
+        emb = nn.Dense(self.chunks * x.shape[-1], dtype=self.dtype, name="linear")(nn.silu(temb))
+        emb = jnp.split(constrain(emb, DATA), self.chunks, axis=-1)  # whole: each chunk modulates all of x
         shift, scale = (emb[1], emb[0]) if self.chunks == 2 else (emb[0], emb[1])
         return modulate(x, shift, scale, self.dtype), emb[2:]
 
@@ -151,12 +152,12 @@ class FluxTransformerBlock(nn.Module):
         nx, (gate, shift_mlp, scale_mlp, gate_mlp) = AdaNorm(6, self.dtype, name="norm1")(x, temb)
         nc, (c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp) = AdaNorm(6, self.dtype, name="norm1_context")(context, temb)
         out, context_out = FluxAttention(self.heads, self.head_dim, dtype=self.dtype, name="attn")(nx, nc, rope)
-        x = x + gate[:, None] * out
+        x = constrain(x + gate[:, None] * out, DATA)
         ff = FeedForward(self.dtype, gelu_tanh=True, name="ff")(modulate(x, shift_mlp, scale_mlp, self.dtype))
-        x = x + gate_mlp[:, None] * ff
-        context = context + c_gate[:, None] * context_out
+        x = constrain(x + gate_mlp[:, None] * ff, DATA)
+        context = constrain(context + c_gate[:, None] * context_out, DATA)
         ff = FeedForward(self.dtype, gelu_tanh=True, name="ff_context")(modulate(context, c_shift_mlp, c_scale_mlp, self.dtype))
-        return x, context + c_gate_mlp[:, None] * ff
+        return x, constrain(context + c_gate_mlp[:, None] * ff, DATA)
 
 
 class FluxSingleTransformerBlock(nn.Module):
@@ -172,8 +173,9 @@ class FluxSingleTransformerBlock(nn.Module):
         mlp = jax.nn.gelu(nn.Dense(4 * h.shape[-1], dtype=self.dtype, name="proj_mlp")(normed), approximate=True)
         out, _ = FluxAttention(self.heads, self.head_dim, pre_only=True, dtype=self.dtype, name="attn")(
             normed, None, rope)
-        out = nn.Dense(h.shape[-1], dtype=self.dtype, name="proj_out")(jnp.concatenate([out, mlp], axis=-1))
-        return h + gate[:, None] * out
+        # proj_out's rows: attention's then the MLP's, packed (interleaved where split: diffusion.sharding)
+        out = nn.Dense(h.shape[-1], dtype=self.dtype, name="proj_out")(concat_packed([out, mlp]))
+        return constrain(h + gate[:, None] * out, DATA)
 
 
 class TimeTextEmbedding(nn.Module):

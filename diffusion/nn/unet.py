@@ -23,6 +23,7 @@ import numpy as np
 
 from diffusion.nn import read_config, refuse
 from diffusion.nn.attention import attention
+from diffusion.sharding import DATA, constrain, split_packed
 
 Dtype = Any  # a jnp dtype: the compute dtype of every module (parameters stay as given)
 
@@ -243,7 +244,8 @@ class GEGLU(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        h, gate = jnp.split(nn.Dense(2 * self.features, dtype=self.dtype, name="proj")(x), 2, axis=-1)
+        # hidden and gate columns, packed (interleaved where the layer is split: diffusion.sharding)
+        h, gate = split_packed(nn.Dense(2 * self.features, dtype=self.dtype, name="proj")(x), (self.features,) * 2)
         return h * jax.nn.gelu(gate, approximate=False)
 
 
@@ -256,9 +258,10 @@ class BasicTransformerBlock(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, context: jax.Array) -> jax.Array:
         norm = lambda name: LayerNorm(1e-5, self.dtype, name=name)  # noqa: E731
-        x = x + CrossAttention(self.heads, self.dtype, name="attn1")(norm("norm1")(x))
-        x = x + CrossAttention(self.heads, self.dtype, name="attn2")(norm("norm2")(x), context)
-        return x + FeedForward(self.dtype, name="ff")(norm("norm3")(x))
+        # Each sublayer's output whole on the model axis (reduced there when the block is split).
+        x = constrain(x + CrossAttention(self.heads, self.dtype, name="attn1")(norm("norm1")(x)), DATA)
+        x = constrain(x + CrossAttention(self.heads, self.dtype, name="attn2")(norm("norm2")(x), context), DATA)
+        return constrain(x + FeedForward(self.dtype, name="ff")(norm("norm3")(x)), DATA)
 
 
 class TanhGELU(nn.Module):
