@@ -87,6 +87,9 @@ class Family:
     options: tuple[tuple[str, Any], ...] = ()
     # the job contract's schedulers its models run (a job naming another is refused)
     schedulers: tuple[str, ...] = DDPM_SCHEDULERS
+    # the guidance scale of a job that names none: its diffusers pipeline's default (7.5 for
+    # Stable Diffusion's pipelines), so a job renders as that pipeline called without one
+    default_guidance: float = 7.5
     # whether a job's guidance scale > 1 means classifier-free guidance (an unconditional pass
     # beside the conditional one each step: its own programs, twice the denoiser's work); False
     # for guidance-distilled models, which take the scale as an input of their one pass

@@ -63,7 +63,7 @@ from diffusion.weights import (
     safetensors_tensors,
 )
 from renderfarm.jobs import DTYPES as JOB_DTYPES
-from renderfarm.jobs import SCHEDULERS, JobError, Lora, check_variant
+from renderfarm.jobs import SCHEDULERS, JobError, JobSpec, Lora, check_variant
 
 DTYPES = {name: jnp.dtype(name) for name in JOB_DTYPES}
 DIGESTS = "sha256.json"  # in the model cache: diffusion/digests.py
@@ -102,6 +102,10 @@ class LoadedModel:
         """One batch's inputs of the family's `generate`, on the host (numpy), a job per
         position; and which prompts the tokenizers cut."""
         return self.family.inputs(self.tokenizers, prompts, negatives, seeds, guidance)
+
+    def guidance_scale(self, spec: JobSpec) -> float:
+        """The guidance a job renders with: its own, or else its family's default."""
+        return self.family.default_guidance if spec.guidance_scale is None else spec.guidance_scale
 
     def abstract_inputs(self, batch: int, sharding: jax.sharding.Sharding | None = None) -> Any:
         """The shapes and dtypes of `inputs` for `batch` jobs (what a program is compiled for)."""

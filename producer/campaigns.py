@@ -81,7 +81,7 @@ class CampaignSpec:
     # Every job's own parameters, with the job contract's defaults.
     negative_prompt: str = JobSpec.negative_prompt
     steps: int = JobSpec.steps
-    guidance_scale: float = JobSpec.guidance_scale
+    guidance_scale: float | None = JobSpec.guidance_scale
     width: int | None = JobSpec.width
     height: int | None = JobSpec.height
     scheduler: str | None = JobSpec.scheduler
@@ -325,7 +325,8 @@ def scan_campaign(spec: CampaignSpec, stored: set[str] | None = None, open_ids: 
     for job in campaign_jobs(spec, scan.bad, finish):
         scan.jobs += 1
         sampler = sampler_label(job.scheduler, job.timestep_spacing, job.karras)
-        scan.shapes[(job.model, job.width, job.height, job.steps, sampler, job.guidance_scale > 1)] += 1
+        guided = job.guidance_scale is None or job.guidance_scale > 1  # every family's default guides
+        scan.shapes[(job.model, job.width, job.height, job.steps, sampler, guided)] += 1
         if stored and job.job_id in stored:
             scan.stored += 1
         elif open_ids and job.job_id in open_ids:

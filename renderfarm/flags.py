@@ -24,7 +24,8 @@ def job_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, help="base seed: job i gets SEED+i (default: random, recorded)")
     parser.add_argument("--steps", type=int, metavar="N", help="denoising steps, 1..500 (default 25)")
     parser.add_argument("--guidance", type=float, dest="guidance_scale", metavar="SCALE",
-                        help="classifier-free guidance scale, 0..50 (default 7.5; <= 1: none)")
+                        help="guidance scale, 0..50 (default: the model family's own, 7.5 for Stable "
+                             "Diffusion, 3.5 for Flux; <= 1: no classifier-free guidance)")
     parser.add_argument("--negative", dest="negative_prompt", metavar="TEXT", help="negative prompt (default: none)")
     parser.add_argument("--width", type=int, metavar="PIXELS",
                         help="image width, a multiple of the model's size step (default: the model's native size)")

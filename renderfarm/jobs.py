@@ -36,6 +36,10 @@ PIXEL_FIELDS = (
 )
 # Pixel fields that enter the canonical JSON only when set, so ids made before they existed stay.
 OPTIONAL_PIXEL_FIELDS = ("variant", "timestep_spacing", "karras", "base", "loras")
+# A job without a guidance scale renders with its model family's own (diffusion/family.py) but
+# hashes as 7.5, the contract's default before families had their own: the ids of jobs made
+# then, and of campaigns resumed now, stay as they were.
+ID_GUIDANCE = 7.5
 MAX_LORAS = 16
 Lora = tuple[str, float]  # (reference, scale)
 # The canonical JSON a job id hashes: sorted keys, no spaces, UTF-8 as is. One encoder for
@@ -76,15 +80,16 @@ class JobError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class JobSpec:
-    """One image. `None` for width, height, scheduler, timestep_spacing or karras means the
-    model's own default (its unet and scheduler configs)."""
+    """One image. `None` for guidance_scale, width, height, scheduler, timestep_spacing or
+    karras means the model's own default (its family's guidance, as its diffusers pipeline's;
+    its unet and scheduler configs)."""
 
     prompt: str
     model: str
     seed: int
     negative_prompt: str = ""
     steps: int = 25
-    guidance_scale: float = 7.5
+    guidance_scale: float | None = None
     width: int | None = None
     height: int | None = None
     scheduler: str | None = None
@@ -102,6 +107,8 @@ class JobSpec:
         """Content-derived: the same pixels-defining spec always gives the same id. Cached
         (the spec is frozen): producers and workers ask for it several times per job."""
         fields = dict(zip(PIXEL_FIELDS, _pixel_values(self)))
+        if fields["guidance_scale"] is None:
+            fields["guidance_scale"] = ID_GUIDANCE
         for name in OPTIONAL_PIXEL_FIELDS:
             if fields[name] is None:
                 del fields[name]
@@ -266,7 +273,9 @@ def parse_job(data: Mapping[str, Any], *, size_step: int = SIZE_STEP) -> JobSpec
     model = check_text("model", data["model"], MAX_MODEL_CHARS)
     if not model.strip():
         raise JobError("model", model, "must not be empty")
-    guidance = check_number("guidance_scale", data.get("guidance_scale", 7.5), 0, 50)
+    guidance = data.get("guidance_scale")
+    if guidance is not None:
+        guidance = check_number("guidance_scale", guidance, 0, 50)
     scheduler = _one_of("scheduler", data.get("scheduler"), SCHEDULERS, optional=True)
     dtype = _one_of("dtype", data.get("dtype", "float32"), DTYPES)
     priority = data.get("priority")

@@ -5,6 +5,7 @@ T5's ids are transformers'; the family runs flow_euler only and counts one pass 
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import shutil
@@ -22,6 +23,7 @@ from diffusion.tokenizer import T5Tokenizer
 from renderfarm.jobs import JobError, JobSpec, parse_job
 from tests.helpers import render_command, worst
 from worker.engine import Engine
+from worker.output import sidecar
 
 DATA = Path(__file__).parent / "data" / "flux"
 JOBS = json.loads((DATA / "jobs.json").read_text(encoding="utf-8"))["jobs"]
@@ -88,6 +90,22 @@ def test_dev_takes_the_guidance_scale_and_schnell_ignores_it(engine: Engine, var
     one, other = (engine.render([spec({**job, "guidance_scale": scale}, engine.model.ref)])[0].image
                   for scale in (1.5, 5.0))
     assert (one.tobytes() != other.tobytes()) == (variant == "dev")
+
+
+@pytest.mark.oracle
+def test_a_job_without_guidance_renders_with_fluxpipelines_default(engine: Engine, variant: str) -> None:
+    """FluxPipeline's default guidance is 3.5, not the 7.5 of Stable Diffusion's pipelines: a
+    job that names none renders as one that names 3.5 (dev's guidance embedding; schnell has
+    none), and its sidecar says so."""
+    job = jobs_of(variant)[0]
+    unnamed = JobSpec(**{**dataclasses.asdict(spec(job, engine.model.ref)), "guidance_scale": None})
+    results = engine.render([unnamed, *(spec({**job, "guidance_scale": scale}, engine.model.ref)
+                                        for scale in (3.5, 7.5))])
+    default, named, seven = (result.image.tobytes() for result in results)
+    assert default == named
+    assert (default != seven) == (variant == "dev")
+    record = sidecar(results[0], engine.model, b"", engine.devices, "part")
+    assert record["guidance_scale"] == 3.5 and record["spec"]["guidance_scale"] is None
 
 
 @pytest.mark.oracle

@@ -51,9 +51,9 @@ def test_csv_per_row_columns_override_the_spec_and_others_are_ignored(tmp_path: 
     s = spec(tmp_path, prompts="p.csv", prompt_column="text", steps=20, images_per_prompt=2)
     jobs = list(campaign_jobs(s))
     assert [(j.prompt, j.seed, j.steps, j.guidance_scale, j.width, j.scheduler) for j in jobs] == [
-        ("a fox", 100, 20, 7.5, None, None), ("a fox", 101, 20, 7.5, None, None),
+        ("a fox", 100, 20, None, None, None), ("a fox", 101, 20, None, None, None),
         ("two\nlines, quoted", 102, 7, 3.5, 640, "ddim"), ("two\nlines, quoted", 103, 7, 3.5, 640, "ddim"),
-        ("third", 104, 9, 7.5, None, "euler"), ("third", 105, 9, 7.5, None, "euler")]
+        ("third", 104, 9, None, None, "euler"), ("third", 105, 9, None, None, "euler")]
     assert scan_campaign(s).ignored_columns == ("id", "url")
 
 

@@ -50,7 +50,7 @@ def test_each_rule_names_field_value_and_rule(fields: dict, field: str, rule: st
 
 def test_defaults_and_model_size_step() -> None:
     spec = parse_job(GOOD)
-    assert (spec.steps, spec.guidance_scale, spec.negative_prompt, spec.campaign) == (25, 7.5, "", "local")
+    assert (spec.steps, spec.guidance_scale, spec.negative_prompt, spec.campaign) == (25, None, "", "local")
     assert parse_job({**GOOD, "width": 80}, size_step=16).width == 80
 
 
@@ -129,6 +129,9 @@ def test_a_weights_variant_is_part_of_the_job_and_its_queue() -> None:
               "width": None, "height": None, "scheduler": None, "dtype": "float32"}
     canonical = json.dumps(before, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     assert plain.job_id == hashlib.sha256(canonical.encode()).hexdigest()[:32]
+    # A job without a guidance scale (its model family's default) keeps the id it had when the
+    # contract's default was 7.5 for every model.
+    assert plain.guidance_scale is None and parse_job({**GOOD, "guidance_scale": 7.5}).job_id == plain.job_id
     # ... and so are the sampler fields: unset, they leave the id alone.
     assert parse_job({**GOOD, "timestep_spacing": None, "karras": None}).job_id == plain.job_id
     fp16 = parse_job({**GOOD, "variant": "fp16"})

@@ -197,7 +197,7 @@ class Engine:
             raise JobError("scheduler", scheduler, f"a {family.name} model runs {', '.join(family.schedulers)}")
         check_sampler(scheduler, spec.timestep_spacing, spec.karras)
         return ShapeKey(spec.width or native, spec.height or native, spec.steps, scheduler,
-                        guided=family.classifier_free and spec.guidance_scale > 1,
+                        guided=family.classifier_free and self.model.guidance_scale(spec) > 1,
                         timestep_spacing=spec.timestep_spacing, karras=spec.karras)
 
     def plan(self, specs: Sequence[JobSpec]) -> list[tuple[ShapeKey, list[int]]]:
@@ -336,7 +336,7 @@ class Engine:
         """The family's inputs of a padded batch, sharded over the devices (whatever the pytree)."""
         padded = jobs + [jobs[-1]] * (self.batch_size - len(jobs))
         host, truncated = self.model.inputs([j.prompt for j in padded], [j.negative_prompt for j in padded],
-                                            [j.seed for j in padded], [j.guidance_scale for j in padded])
+                                            [j.seed for j in padded], [self.model.guidance_scale(j) for j in padded])
         return jax.device_put(host, self._sharded), truncated[:len(jobs)]
 
     def dispatch(self, key: ShapeKey, jobs: list[JobSpec]) -> tuple[Output, list[bool]]:

@@ -207,6 +207,7 @@ FAMILY = Family(
     denoiser_flops=denoiser_flops,
     tiny=tiny,
     schedulers=("flow_euler",),
+    default_guidance=3.5,  # FluxPipeline's (dev's guidance embedding; schnell has none)
     classifier_free=False,
     loras=LoraTargets("transformer", ("text_encoder",), kohya_modules),
     tensor_parallel={"transformer": TRANSFORMER_TENSOR_PARALLEL},
