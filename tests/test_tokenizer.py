@@ -15,7 +15,12 @@ import pytest
 
 from diffusion.tokenizer import CLIPTokenizer, TokenizerError
 from harness.tokenizer import build_folder, read_merges, vocab_json
-from tests.oracle.tokenizer import CLIP_FOLDERS, MERGES_SHA256, TINY_FOLDERS, VOCAB_SHA256
+from tests.oracle.tokenizer import (
+    CLIP_FOLDERS,
+    MERGES_SHA256,
+    TINY_FOLDERS,
+    VOCAB_SHA256,
+)
 
 DATA = Path(__file__).parent / "data"
 REFERENCE = json.loads((DATA / "tokenizer" / "ids.json").read_text(encoding="utf-8"))

@@ -23,7 +23,15 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from harness.tokenizer import BOS, EOS, build_folder, bytes_to_unicode, clip_vocab, read_merges, vocab_json
+from harness.tokenizer import (
+    BOS,
+    EOS,
+    build_folder,
+    bytes_to_unicode,
+    clip_vocab,
+    read_merges,
+    vocab_json,
+)
 
 CLIP_MERGES = 49152 - 256 - 2  # the slice CLIP's tokenizers take of the 262,144 merges in the file
 MERGES_SHA256 = "9fd691f7c8039210e0fced15865466c65820d09b63988b0174bfe25de299051a"
