@@ -14,6 +14,12 @@ strings, so each shard has the same simple schema whatever nulls a batch happens
 
 Memory stays flat: images stream from storage through a small prefetch window and only
 one shard (``--shard-size`` images) is held before it is stored.
+
+Scores (renderfarm/scores.py) come along as plain columns (``nsfw``, ``clip``, ``aesthetic``,
+``phash``). ``--where EXPR`` keeps the images whose scores pass (an image without a score
+the expression reads does not), and ``--dedup BITS`` keeps the first of each group of
+near-duplicates (perceptual hashes within BITS bits) in job order: by seed, as a campaign
+gives row i's image k the seed base_seed + i x images_per_prompt + k.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ from tqdm import tqdm
 from renderfarm.jobs import JobError, check_campaign
 from renderfarm.layout import image_name
 from renderfarm.manifest import Records
+from renderfarm.scores import COLUMNS as SCORE_COLUMNS
+from renderfarm.scores import Expression, near_duplicates
 from renderfarm.storage import Storage, open_storage
 
 log = logging.getLogger(__name__)
@@ -57,6 +65,9 @@ class ExportReport:
     duplicates: int = 0
     bad_lines: list[int] = dataclasses.field(default_factory=list)
     skipped: list[str] = dataclasses.field(default_factory=list)  # job ids whose PNG is missing or corrupt
+    filtered: int = 0  # records --where left out (their scores failed it)
+    unscored: int = 0  # of those, records without a score it reads
+    near_duplicates: int = 0  # records --dedup left out
 
     def summary(self) -> str:
         text = (f"exported {self.images} images of {self.campaign} as {self.format}: "
@@ -67,14 +78,23 @@ class ExportReport:
             text += f"; skipped unreadable manifest lines {', '.join(map(str, self.bad_lines[:10]))}"
         if self.skipped:
             text += f"; skipped {len(self.skipped)} jobs with a missing or corrupt PNG: {', '.join(self.skipped[:10])}"
+        if self.filtered:
+            text += f"; {self.filtered} left out by --where" + (
+                f" ({self.unscored} without a score it reads)" if self.unscored else "")
+        if self.near_duplicates:
+            text += f"; {self.near_duplicates} near-duplicates left out by --dedup"
         return text
 
 
 def columns(record: dict[str, Any]) -> dict[str, Any]:
-    """A sidecar as flat columns: ``prompt`` and ``seed`` first, dict/list fields as JSON."""
+    """A sidecar as flat columns: ``prompt`` and ``seed`` first, then its scores each a
+    column of its own, dict/list fields as JSON."""
     spec = record.get("spec") if isinstance(record.get("spec"), dict) else {}
     flat: dict[str, Any] = {"prompt": spec.get("prompt"), "seed": spec.get("seed")}
-    for key, value in record.items():
+    scores = record.get("scores") if isinstance(record.get("scores"), dict) else {}
+    for key, value in {**{name: scores.get(name) for name in SCORE_COLUMNS}, **record}.items():
+        if key == "scores":
+            continue
         flat[key] = json.dumps(value, ensure_ascii=False) if isinstance(value, (dict, list)) else value
     return flat
 
@@ -162,8 +182,9 @@ _HF_VALUE_TYPES = {"string": "string", "large_string": "large_string", "int64": 
 class ParquetWriter(_Sharded):
     """Parquet files of ``shard_size`` rows written in row groups of ``ROW_GROUP_ROWS``.
 
-    The schema comes from the first row group (null-only columns become strings) and holds
-    for the whole export; a later record that does not fit is an error naming it.
+    The schema comes from the first row group (null-only columns become strings, the scores'
+    columns have their own types) and holds for the whole export; a later record that does
+    not fit is an error naming it.
     """
 
     def __init__(self, *args: Any) -> None:
@@ -184,7 +205,8 @@ class ParquetWriter(_Sharded):
     def _infer_schema(self) -> Any:
         pa = self.pa
         inferred = pa.Table.from_pylist(self.rows).schema
-        fields = [pa.field(f.name, pa.string()) if pa.types.is_null(f.type) else f for f in inferred]
+        fields = [pa.field(f.name, pa.type_for_alias(SCORE_COLUMNS[f.name])) if f.name in SCORE_COLUMNS else
+                  pa.field(f.name, pa.string()) if pa.types.is_null(f.type) else f for f in inferred]
         features: dict[str, Any] = {}
         for field in fields:
             if field.name == "image":
@@ -263,10 +285,39 @@ def _images(source: Storage, campaign: str, records: Iterable[dict[str, Any]],
             yield from done()
 
 
+def _selected(records: Records, where: Expression | None, dedup: int | None,
+              report: ExportReport) -> Iterator[dict[str, Any]]:
+    """The records that pass `where` and, of near-duplicates, the first in job order."""
+    def passes(record: dict[str, Any]) -> bool:
+        verdict = where(record.get("scores")) if where is not None else True
+        report.filtered += not verdict
+        report.unscored += verdict is None
+        return bool(verdict)
+
+    dropped: set[str] = set()
+    if dedup is not None:  # a first pass: the kept images' hashes in job order
+        ranked = sorted(((r.get("spec") or {}).get("seed", 0), r["job_id"], (r.get("scores") or {}).get("phash"))
+                        for r in records if passes(r))
+        report.filtered = report.unscored = 0  # counted again below
+        dropped = {job_id for (_, job_id, _), gone in
+                   zip(ranked, near_duplicates([h for _, _, h in ranked], dedup)) if gone}
+    for record in records:
+        if not passes(record):
+            continue
+        if record["job_id"] in dropped:
+            report.near_duplicates += 1
+            continue
+        yield record
+
+
 def export(source: Storage, campaign: str, fmt: str, target: Storage, *, shard_size: int = DEFAULT_SHARD_SIZE,
-           overwrite: bool = False, progress: bool = False) -> ExportReport:
-    """Write the campaign's finished images (each job once) from ``source`` to ``target``."""
+           overwrite: bool = False, progress: bool = False, where: str | None = None,
+           dedup: int | None = None) -> ExportReport:
+    """Write the campaign's finished images (each job once) from ``source`` to ``target``;
+    with `where`, those whose scores pass it; with `dedup`, the first of each group of
+    near-duplicates (renderfarm/scores.py)."""
     check_campaign(campaign)
+    expression = Expression(where) if where is not None else None
     if fmt not in WRITERS:
         raise JobError("format", fmt, f"must be one of {', '.join(FORMATS)}")
     if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
@@ -277,7 +328,7 @@ def export(source: Storage, campaign: str, fmt: str, target: Storage, *, shard_s
     report = ExportReport(campaign, fmt, target.describe())
     writer = WRITERS[fmt](target, campaign, shard_size, report)
     with tqdm(total=manifest.lines, unit="img", disable=not progress, file=sys.stderr) as bar:
-        for record, png in _images(source, campaign, manifest, report):
+        for record, png in _images(source, campaign, _selected(manifest, expression, dedup, report), report):
             writer.add(record, png)
             report.images += 1
             bar.update(1)
@@ -291,7 +342,8 @@ def export(source: Storage, campaign: str, fmt: str, target: Storage, *, shard_s
 
 def cmd_export(args: argparse.Namespace) -> int:
     report = export(open_storage(args.source), args.campaign, args.format, open_storage(args.to, durable=False),
-                    shard_size=args.shard_size, overwrite=args.overwrite, progress=not args.quiet)
+                    shard_size=args.shard_size, overwrite=args.overwrite, progress=not args.quiet,
+                    where=args.where, dedup=args.dedup)
     print(report.summary())
     if report.skipped:
         print(f"renderfarm: warning: {len(report.skipped)} images were not exported (see above)", file=sys.stderr)
@@ -311,6 +363,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--shard-size", type=int, default=DEFAULT_SHARD_SIZE,
                         help=f"images per folder, tar or parquet file (default {DEFAULT_SHARD_SIZE}); "
                              "a tar or parquet shard is built in memory before it is stored")
+    parser.add_argument("--where", metavar="EXPR",
+                        help="only images whose scores pass, e.g. 'clip >= 28 and aesthetic >= 5.5 and not nsfw'")
+    parser.add_argument("--dedup", type=int, metavar="BITS",
+                        help="of images whose perceptual hashes are within BITS bits, only the first by job order")
     parser.add_argument("--overwrite", action="store_true", help="write into a folder that is not empty")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(handler=cmd_export)
