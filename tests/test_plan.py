@@ -93,6 +93,8 @@ def test_the_command_refuses_bad_input_by_name(cli: Cli) -> None:
     assert (code, out) == (2, "") and "per-device-batch=0: must be at least 1" in err
     code, out, err = cli("plan", "sd15", "--target", "tpu-v5e")
     assert (code, out) == (2, "") and "target='tpu-v5e': must be one of" in err
+    code, out, err = cli("plan", "sd15", "--target", "cpu", "--size", "500x512")  # the job contract's rule
+    assert (code, out) == (2, "") and "width=500: must be a multiple of 64" in err
 
 
 @pytest.mark.parametrize(("name", "says"), [

@@ -33,6 +33,7 @@ from renderfarm.jobs import JobError
 
 if TYPE_CHECKING:
     from diffusion.models import LoadedModel
+    from diffusion.targets import Target
     from worker.engine import Engine, ShapeKey
 
 UTILISATION = 0.5  # the ceiling's share of the peak (docs/performance.md, "The ceiling")
@@ -163,6 +164,8 @@ def make_plan(ref: str, target_name: str, size: tuple[int, int] | None = None, s
     from diffusion.architectures import abstract_model
     from diffusion.sharding import choose_model_parallel
     from diffusion.targets import target, target_devices
+    from renderfarm.jobs import parse_job
+    from worker.engine import ShapeKey
 
     chosen = target(target_name)
     if per_device_batch < 1:
@@ -183,38 +186,32 @@ def make_plan(ref: str, target_name: str, size: tuple[int, int] | None = None, s
     if split is None:
         raise JobError("model", ref, f"{auto_error}: nothing to compile for {chosen.name}")
     width, height = size or (model.native_size, model.native_size)
-    programs = []
-    for guided in dict.fromkeys(model.family.classifier_free and scale > 1 for scale in guidance):
-        programs.append(_program(model, chosen, devices, split, per_device_batch, width, height, steps, guided,
-                                 scheduler or model.default_scheduler))
+    # the job contract's rules (sizes, steps, guidance, scheduler), as a job of this shape meets them
+    specs = [parse_job({"prompt": "-", "model": ref, "seed": 0, "width": width, "height": height, "steps": steps,
+                        "guidance_scale": scale, "scheduler": scheduler or model.default_scheduler, "dtype": dtype},
+                       size_step=model.size_step) for scale in guidance]
+    if specs[0].scheduler not in model.family.schedulers:
+        raise JobError("scheduler", specs[0].scheduler, f"a {model.family.name} model runs "
+                                                        f"{', '.join(model.family.schedulers)}")
+    keys = dict.fromkeys(ShapeKey(width, height, steps, spec.scheduler,
+                                  guided=model.family.classifier_free and spec.guidance_scale > 1) for spec in specs)
+    programs = [_program(model, chosen, devices, split, per_device_batch, key) for key in keys]
     return Plan(model=ref, family=model.family.name, dtype=dtype, target=chosen.name, target_label=chosen.label,
                 devices=len(devices), memory_per_chip=chosen.memory, usable_per_chip=usable,
                 peak_flops_per_chip=chosen.peak_flops, weights_bytes=weights, auto_model_parallel=auto,
                 auto_error=auto_error, programs=programs)
 
 
-def _program(model: Any, chosen: Any, devices: list[Any], split: int, per_device_batch: int, width: int,
-             height: int, steps: int, guided: bool, scheduler_name: str) -> ProgramPlan:
+def _program(model: LoadedModel, chosen: Target, devices: list[Any], split: int, per_device_batch: int,
+             key: ShapeKey) -> ProgramPlan:
     """Lower and compile one program for the target's devices, and read what XLA says of it."""
     from diffusion.flops import denoise_flops, program_flops
     from diffusion.generate import Static
     from diffusion.nn.attention import recording
     from diffusion.placement import lower_generate, make_placement
     from diffusion.schedulers import make
-    from renderfarm.jobs import check_sampler
-    from worker.engine import ShapeKey
 
-    step = model.size_step
-    for field, value in (("width", width), ("height", height)):
-        if value < step or value % step:
-            raise JobError(field, value, f"must be a positive multiple of {step} for this model")
-    if steps < 1:
-        raise JobError("steps", steps, "must be at least 1")
-    if scheduler_name not in model.family.schedulers:
-        raise JobError("scheduler", scheduler_name, f"a {model.family.name} model runs "
-                                                    f"{', '.join(model.family.schedulers)}")
-    check_sampler(scheduler_name, None, None)
-    key = ShapeKey(width, height, steps, scheduler_name, guided=guided)
+    width, height, steps, guided = key.width, key.height, key.steps, key.guided
     placement = make_placement(devices, split)
     batch = placement.batch_size(per_device_batch)
     plan = ProgramPlan(shape=str(key), guided=guided, per_device_batch=per_device_batch, batch=batch,
@@ -223,7 +220,7 @@ def _program(model: Any, chosen: Any, devices: list[Any], split: int, per_device
     inputs = model.abstract_inputs(batch, placement.batch)
     started = time.perf_counter()
     with recording() as calls:
-        lowered = lower_generate(model.family, model.networks, make(scheduler_name, model.configs["scheduler"]),
+        lowered = lower_generate(model.family, model.networks, make(key.scheduler, model.configs["scheduler"]),
                                  Static(height, width, steps, guided), placement, params, inputs)
     plan.lower_seconds = time.perf_counter() - started
     plan.attention = [dataclasses.asdict(call) for call in calls]
@@ -301,7 +298,8 @@ def format_plan(plan: Plan) -> str:
              f"{plan.devices} devices, {memory}",
              f"weights {_gb(plan.weights_bytes)} a copy; auto split: {auto}"]
     for p in plan.programs:
-        lines.append(f"\n{p.shape}: batch {p.batch} ({p.per_device_batch} per device, model parallel "
+        copy = "device" if p.model_parallel == 1 else f"{p.model_parallel} devices"
+        lines.append(f"\n{p.shape}: batch {p.batch} ({p.per_device_batch} per {copy}, model parallel "
                      f"{p.model_parallel})")
         kernels = ", ".join(f"{kernel} x{count}" for kernel, count in sorted(p.kernels.items())) or "none"
         lines.append(f"  attention: {kernels}")
