@@ -146,3 +146,9 @@ def test_auto_per_device_batch_takes_one_job_where_the_backend_reports_no_memory
         engine = engine_for(sd_model, None, lambda engine: engine.check(spec))
     assert engine.batch_size == len(engine.devices) and engine.ready(engine.check(spec))
     assert "the cpu backend reports no memory limit; 1 job a device" in caplog.text
+
+
+def test_a_worker_sizes_auto_batches_for_a_named_shape(cli: Cli, tiny_sd: Path, tmp_path: Path) -> None:
+    code, out, err = cli("worker", "--model", tiny_sd, "--out", tmp_path, "--per-device-batch", "auto")
+    assert (code, out) == (2, "")
+    assert "per-device-batch='auto': sizes batches for the first --precompile shape" in err

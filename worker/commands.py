@@ -76,6 +76,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     shapes = parse_shapes(args.precompile or "")
+    if args.per_device_batch is None and not shapes:  # a worker has no jobs yet to size its batches for
+        raise JobError("per-device-batch", "auto", "sizes batches for the first --precompile shape: give one")
     settings = Settings.from_env(broker_url=args.broker)
     cache = enable_compilation_cache(args.compile_cache, max_bytes=args.compile_cache_max_gb * 2**30)
     started = time.perf_counter()
@@ -84,7 +86,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     log.info("%s (%s) loaded in %.1fs", model.ref, model.dtype, time.perf_counter() - started)
 
     def key_of(engine: Engine, shape: dict[str, Any]) -> Any:
-        """The shape key of a --precompile shape (none given: the model's native size, 25 steps, guided)."""
+        """The shape key of a --precompile shape."""
         job = {"prompt": "-", "model": model.ref, "seed": 0, "dtype": args.dtype, "variant": args.variant,
                "base": model.base, "loras": model.loras, **shape}
         try:
@@ -92,8 +94,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         except JobError as err:
             raise JobError("precompile", f"{shape['width']}x{shape['height']}@{shape['steps']}", str(err)) from None
 
-    # --per-device-batch auto sizes batches for the first --precompile shape
-    engine = engine_for(model, args.per_device_batch, lambda engine: key_of(engine, shapes[0] if shapes else {}),
+    engine = engine_for(model, args.per_device_batch, lambda engine: key_of(engine, shapes[0]),
                         max_programs=args.max_programs,
                         executables=ExecutableStore(cache / "executables", max_bytes=args.compile_cache_max_gb * 2**30))
     for shape in shapes:
