@@ -35,6 +35,7 @@ from renderfarm.jobs import (
     Lora,
     check_campaign,
     check_int,
+    check_scores,
     parse_job,
     parse_loras,
     sampler_label,
@@ -45,7 +46,7 @@ from renderfarm.storage import open_storage
 
 SHOWN_BAD_ROWS = 10  # bad rows a run keeps to show; it always counts them all
 JOB_FIELDS = ("negative_prompt", "steps", "guidance_scale", "width", "height", "scheduler", "timestep_spacing",
-              "karras", "dtype", "variant", "base", "loras", "priority")
+              "karras", "dtype", "variant", "base", "loras", "scores", "priority")
 # A compiled program the jobs need: model, width, height, steps, sampler (sampler_label), guided
 # (classifier-free guidance: scale > 1)
 NeededProgram = tuple[str, int | None, int | None, int, str, bool]
@@ -91,6 +92,7 @@ class CampaignSpec:
     variant: str | None = JobSpec.variant
     base: str | None = JobSpec.base  # a single-file model's pipeline
     loras: tuple[Lora, ...] | None = JobSpec.loras  # "REF[:SCALE]" each in YAML
+    scores: tuple[str, ...] | None = JobSpec.scores  # of safety, clip, aesthetic, phash (renderfarm/scores.py)
     priority: int | None = JobSpec.priority
     schedule: str | None = None  # cron expression, for `renderfarm schedule`
     window: int | None = None  # at most this many jobs queued or running (producer/window.py)
@@ -154,6 +156,8 @@ class CampaignSpec:
             out["templates"] = list(self.templates)
         if self.loras:
             out["loras"] = [list(lora) for lora in self.loras]
+        if self.scores:
+            out["scores"] = list(self.scores)
         return out
 
     @property
@@ -205,6 +209,8 @@ def parse_spec(mapping: Mapping[str, Any], base_dir: str | Path = ".",
             raise JobError("templates", templates, "must be a list of templates")
         values["templates"] = tuple(templates)
         values["loras"] = parse_loras(values.get("loras"))
+        if values.get("scores") is not None:
+            values["scores"] = check_scores(values["scores"]) or None
         base = Path(base_dir)
         for key in ("prompts", "wildcards"):
             values[key] = _resolve(values.get(key), base)

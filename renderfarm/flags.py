@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from renderfarm.jobs import DTYPES, SCHEDULERS, SPACINGS
+from renderfarm.jobs import DTYPES, SCHEDULERS, SCORES, SPACINGS
 
 JOB_DEFAULTS = ("model", "campaign", "steps", "guidance_scale", "negative_prompt", "width", "height",
-                "scheduler", "timestep_spacing", "karras", "dtype", "variant", "base", "loras")
+                "scheduler", "timestep_spacing", "karras", "dtype", "variant", "base", "loras", "scores")
 
 
 def job_flags(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +38,9 @@ def job_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--karras", action=argparse.BooleanOptionalAction,
                         help="Karras sigmas (lms, euler, dpm; --scheduler dpm --karras is A1111's "
                              "'DPM++ 2M Karras') (default: the model's scheduler config)")
+    parser.add_argument("--score", dest="scores", action="append", choices=SCORES,
+                        help="score each image where it renders (its sidecar and the manifest carry the "
+                             "scores: docs/datasets.md); repeat for more (default: none)")
     weights_flags(parser)
 
 

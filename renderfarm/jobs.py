@@ -22,6 +22,8 @@ SPACINGS = ("leading", "trailing", "linspace")  # diffusers' timestep_spacing
 KARRAS_SCHEDULERS = ("lms", "euler", "dpm")  # those with Karras sigmas (use_karras_sigmas)
 UNSPACED_SCHEDULERS = ("lcm", "flow_euler")  # those that place their own timesteps (timestep_spacing does not apply)
 DTYPES = ("float32", "bfloat16")
+# Scores a job may ask for, computed where it renders (renderfarm/scores.py says what each is).
+SCORES = ("safety", "clip", "aesthetic", "phash")
 SEED_LIMIT = 2**32
 MAX_PROMPT_CHARS = 10_000  # far beyond 77 tokens; stops megabyte prompts at the door
 MAX_MODEL_CHARS = 1_000  # hub ids, paths and URLs are far shorter
@@ -101,6 +103,7 @@ class JobSpec:
     karras: bool | None = None  # Karras sigmas (lms, euler, dpm); None: the scheduler config's
     base: str | None = None  # a single-file model's pipeline (configs, tokenizers); None: its family's standard one
     loras: tuple[Lora, ...] | None = None  # merged into the weights at load, in this order
+    scores: tuple[str, ...] | None = None  # of SCORES, in that order; they describe the pixels, not make them
 
     @functools.cached_property
     def job_id(self) -> str:
@@ -248,6 +251,17 @@ def _size(field: str, value: Any, size_step: int) -> int | None:
     return value
 
 
+def check_scores(value: Any, field: str = "scores") -> tuple[str, ...]:
+    """A job's or a campaign's scores: names from SCORES, each once, in SCORES' order."""
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise JobError(field, value, f"must be a list of score names from {', '.join(SCORES)}")
+    unknown = [n for n in names if n not in SCORES]
+    if unknown:
+        raise JobError(field, unknown[0], f"is not a score; the scores are {', '.join(SCORES)}")
+    return tuple(n for n in SCORES if n in names)
+
+
 def _one_of(field: str, value: Any, names: tuple[str, ...], optional: bool = False) -> Any:
     # `in` on a tuple compares with ==, which any JSON value supports (a list is never equal).
     if (value is None and optional) or (isinstance(value, str) and value in names):
@@ -294,6 +308,7 @@ def parse_job(data: Mapping[str, Any], *, size_step: int = SIZE_STEP) -> JobSpec
     if base is not None and not check_text("base", base, MAX_MODEL_CHARS).strip():
         raise JobError("base", base, "must not be empty")
     loras = parse_loras(data.get("loras"))
+    scores = check_scores(data["scores"]) if data.get("scores") is not None else None
 
     return JobSpec._validated(
         prompt=prompt,
@@ -313,4 +328,5 @@ def parse_job(data: Mapping[str, Any], *, size_step: int = SIZE_STEP) -> JobSpec
         karras=karras,
         base=base,
         loras=loras,
+        scores=scores or None,
     )

@@ -1,5 +1,6 @@
-"""Image scores as the farm's contract states them: which a job may ask for, what each puts in
-its sidecar, and the small expression language that filters on them (`renderfarm export
+"""Image scores as the farm's contract states them (the names a job may ask for are the job
+contract's, renderfarm/jobs.py SCORES): what each puts in its sidecar, the small expression
+language that filters on them (`renderfarm export
 --where`, a campaign's `gate`). Importable without JAX: the producer checks a job's scores
 and a filter before anything is enqueued; the worker computes the scores (diffusion/scores.py).
 
@@ -26,9 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from renderfarm.jobs import JobError
+from renderfarm.jobs import SCORES, JobError
 
-SCORES = ("safety", "clip", "aesthetic", "phash")
 # What the scores put in a sidecar's `scores`, each an export column of this Arrow type.
 COLUMNS = {"nsfw": "bool", "safety_concepts": "string", "clip": "float64", "aesthetic": "float64",
            "phash": "string"}
@@ -42,17 +42,6 @@ _COMPARE: dict[type, Callable[[Any, Any], bool]] = {
 _WORDS = {"true": True, "false": False}  # as JSON and YAML write them; Python's True and False parse as they are
 _RULE = ("must compare nsfw, clip and aesthetic with numbers (< <= > >= == !=), joined by and, or, not "
          "and parentheses, e.g. 'clip >= 28 and aesthetic >= 5.5 and not nsfw'")
-
-
-def check_scores(value: object, field: str = "scores") -> tuple[str, ...]:
-    """A job's or a campaign's scores: a list of SCORES names, each once, in SCORES' order."""
-    names = [value] if isinstance(value, str) else value
-    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
-        raise JobError(field, value, f"must be a list of score names from {', '.join(SCORES)}")
-    unknown = [n for n in names if n not in SCORES]
-    if unknown:
-        raise JobError(field, unknown[0], f"is not a score; the scores are {', '.join(SCORES)}")
-    return tuple(n for n in SCORES if n in names)
 
 
 class Expression:

@@ -12,11 +12,30 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from renderfarm.jobs import JobError
-from renderfarm.scores import Expression, check_scores, hamming, near_duplicates
+from producer.campaigns import campaign_jobs, parse_spec
+from renderfarm.jobs import JobError, check_scores, parse_job
+from renderfarm.scores import Expression, hamming, near_duplicates
 from renderfarm.storage import open_storage
 from renderfarm_cli import main
 from tests.helpers import COLOURS, store_results
+
+
+def test_a_job_asks_for_scores_which_do_not_change_its_id(tmp_path: Path) -> None:
+    plain = parse_job({"prompt": "a fox", "model": "m", "seed": 1})
+    scored = parse_job({"prompt": "a fox", "model": "m", "seed": 1, "scores": ["phash", "safety"]})
+    assert (plain.scores, scored.scores) == (None, ("safety", "phash"))
+    assert scored.job_id == plain.job_id  # scores describe the pixels, they do not make them
+    assert parse_job(scored.to_dict()) == scored
+    with pytest.raises(JobError, match="scores='beauty': is not a score"):
+        parse_job({"prompt": "a fox", "model": "m", "seed": 1, "scores": ["beauty"]})
+    (tmp_path / "rows.txt").write_text("a\nb\n")
+    spec = parse_spec({"name": "s", "model": "m", "output": "out", "prompts": "rows.txt", "base_seed": 0,
+                       "scores": ["clip", "aesthetic"]}, tmp_path)
+    assert [job.scores for job in campaign_jobs(spec)] == [("clip", "aesthetic")] * 2
+    assert parse_spec(spec.to_dict(), tmp_path) == spec
+    with pytest.raises(JobError, match="scores='x': is not a score"):
+        parse_spec({"name": "s", "model": "m", "output": "out", "prompts": "rows.txt", "base_seed": 0,
+                    "scores": ["x"]}, tmp_path)
 
 
 def test_scores_are_named_from_the_contract_in_its_order() -> None:
