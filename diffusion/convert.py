@@ -46,6 +46,9 @@ class _Rules:
     prefix: str = ""  # put before every name whose first part is not one of `top_level`
     top_level: frozenset[str] = frozenset()
     tables: frozenset[str] = frozenset()  # layers besides `*embedding` whose weight is an embedding table
+    # Wrappers of a model of the same name (`vision_model.vision_model.`): transformers 5 saves
+    # them without the inner level, every earlier version with it. Both load.
+    wrappers: frozenset[str] = frozenset()
 
 
 _CLIP = _Rules(
@@ -64,6 +67,16 @@ _KINDS = {
     ),
     "clip": _CLIP,
     "clip_projection": _CLIP,
+    # transformers' CLIPModel (the CLIP score's and the aesthetic predictor's towers): both towers
+    # and their projections; `logit_scale`, the contrastive loss's temperature, scores nothing.
+    "clip_model": _Rules(join_index=False, dropped=frozenset({
+        "text_model.embeddings.position_ids", "vision_model.embeddings.position_ids", "logit_scale"})),
+    # diffusers' StableDiffusionSafetyChecker: a CLIPVisionModel under `vision_model.`, its
+    # `visual_projection`, the concept embeddings and their thresholds (plain tensors).
+    "safety_checker": _Rules(join_index=False, wrappers=frozenset({"vision_model"}),
+                             dropped=frozenset({"vision_model.vision_model.embeddings.position_ids"})),
+    # LAION's aesthetic predictor: the Linear layers of a torch Sequential `layers`, by index.
+    "aesthetic": _Rules(join_index=False),
     # diffusers' FluxTransformer2DModel: the names as they are (indices joined, as in the UNet).
     "flux": _Rules(join_index=True),
     # transformers' T5EncoderModel: its token table `shared` (saved once, though the encoder
@@ -100,6 +113,9 @@ def target(kind: str, name: str, ndim: int) -> Target | None:
     rules = _KINDS[kind]
     if rules.prefix and name.split(".", 1)[0] not in rules.top_level:
         name = rules.prefix + name
+    first, _, rest = name.partition(".")
+    if first in rules.wrappers and not rest.startswith(f"{first}."):
+        name = f"{first}.{name}"
     if name in rules.dropped:
         return None
     path: list[str] = []

@@ -108,7 +108,7 @@ def load_weights(folder: Path, component: str, kind: str, expected: Any, dtype: 
                  variant: str | None = None, sharding: jax.sharding.Sharding | None = None) -> Any:
     """The parameters of `folder/component` in our Flax names, as numpy arrays of `dtype`.
 
-    `kind` is "unet", "vae", "clip" or "clip_projection"; `expected` the module's parameter tree
+    `kind` is one of diffusion/convert.py's KINDS; `expected` the module's parameter tree
     (leaves with `.shape`, e.g. from jax.eval_shape; bare or under "params", and the result is
     shaped alike); `dtype` float32 or bfloat16. The first of these present is loaded:
     `{diffusion_pytorch_model,model}[.VARIANT].safetensors`, then the sharded

@@ -1,12 +1,18 @@
-"""CLIP text encoders, computing what transformers' PyTorch CLIPTextModel and
-CLIPTextModelWithProjection (5.x) do.
+"""CLIP's towers, computing what transformers' PyTorch CLIPTextModel,
+CLIPTextModelWithProjection, CLIPVisionModelWithProjection and CLIPModel (5.x) do.
 
-The parameter trees are those of transformers 4.57's `FlaxCLIPTextModel` and
-`FlaxCLIPTextModelWithProjection` (`text_model/...`, `text_projection`). Besides the final
-hidden states, the output carries what the SD pipelines read: `penultimate`, the input of
-the last layer without the final LayerNorm (transformers' `hidden_states[-2]`, which SDXL
-uses), and `pooled`, the final state at the end-of-text token, found as transformers 5
-finds it (see `CLIPTextTransformer`).
+The parameter trees are those of transformers 4.57's Flax classes (`text_model/...`,
+`text_projection`, `vision_model/...`, `visual_projection`), which are the PyTorch
+checkpoints' names. Besides the final hidden states, the text output carries what the SD
+pipelines read: `penultimate`, the input of the last layer without the final LayerNorm
+(transformers' `hidden_states[-2]`, which SDXL uses), and `pooled`, the final state at the
+end-of-text token, found as transformers 5 finds it (see `CLIPTextTransformer`).
+
+The vision tower (ViT: patch embedding conv, class token, position embeddings, the
+`pre_layrnorm` as transformers spells it, the text tower's encoder layers without the causal
+mask, `post_layernorm` on the class token) serves the scores of diffusion/scores.py: the safety
+checker, the CLIP score and the aesthetic predictor. It reads pixels NHWC, already
+preprocessed (diffusion/scores.py's `preprocess`).
 """
 
 from __future__ import annotations
@@ -69,19 +75,75 @@ class CLIPTextOutput(NamedTuple):
     text_embeds: jax.Array | None = None  # (B, P): projection of `pooled` (CLIPTextModelWithProjection)
 
 
+@dataclasses.dataclass(frozen=True)
+class CLIPVisionConfig:
+    """The fields of a CLIPVisionConfig (a whole config.json of a vision model, or the
+    `vision_config` of a CLIPConfig) that change the computation; defaults are transformers' (5.x)."""
+
+    hidden_size: int = 768
+    intermediate_size: int = 3072
+    projection_dim: int = 512
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    num_channels: int = 3
+    image_size: int = 224
+    patch_size: int = 32
+    hidden_act: str = "quick_gelu"
+    layer_norm_eps: float = 1e-5
+    model_type: str = "clip_vision_model"
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> CLIPVisionConfig:
+        """From a transformers config.json dict (a vision model's, or a CLIPConfig's `vision_config`)."""
+        return read_config(cls, d, {})
+
+    def __post_init__(self) -> None:
+        if self.model_type != "clip_vision_model":
+            raise refuse("model_type", self.model_type, "only a CLIP vision model's config ('clip_vision_model')")
+        if self.hidden_act not in ACTIVATIONS:
+            raise refuse("hidden_act", self.hidden_act, f"only {sorted(ACTIVATIONS)} are implemented")
+        if self.hidden_size % self.num_attention_heads:
+            raise refuse("num_attention_heads", self.num_attention_heads, f"must divide hidden_size {self.hidden_size}")
+        if self.image_size % self.patch_size:
+            raise refuse("patch_size", self.patch_size, f"must divide image_size {self.image_size}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CLIPConfig:
+    """A CLIPConfig config.json (CLIPModel; diffusers' safety checker keeps one too): both
+    towers' configs and the shared `projection_dim` of their projections."""
+
+    text_config: CLIPTextConfig = CLIPTextConfig()
+    vision_config: CLIPVisionConfig = CLIPVisionConfig()
+    projection_dim: int = 512
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> CLIPConfig:
+        """From a transformers CLIPConfig dict; missing sub-configs take transformers' defaults."""
+        if d.get("model_type", "clip") != "clip":
+            raise refuse("model_type", d["model_type"], "only a CLIPConfig ('clip')")
+        return cls(CLIPTextConfig.from_dict(d.get("text_config") or {}),
+                   CLIPVisionConfig.from_dict(d.get("vision_config") or {}),
+                   int(d.get("projection_dim", 512)))
+
+
+TowerConfig = CLIPTextConfig | CLIPVisionConfig  # what the encoder layers read from either
+
+
 class CLIPAttention(nn.Module):
-    config: CLIPTextConfig
+    config: TowerConfig
     dtype: Dtype = jnp.float32
+    causal: bool = True  # the text tower's mask; the vision tower's attention sees every patch
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         dense = lambda name: nn.Dense(self.config.hidden_size, dtype=self.dtype, name=name)  # noqa: E731
         q, k, v = dense("q_proj")(x), dense("k_proj")(x), dense("v_proj")(x)
-        return dense("out_proj")(attention(q, k, v, self.config.num_attention_heads, causal=True))
+        return dense("out_proj")(attention(q, k, v, self.config.num_attention_heads, causal=self.causal))
 
 
 class CLIPMLP(nn.Module):
-    config: CLIPTextConfig
+    config: TowerConfig
     dtype: Dtype = jnp.float32
 
     @nn.compact
@@ -92,39 +154,42 @@ class CLIPMLP(nn.Module):
 
 
 class CLIPEncoderLayer(nn.Module):
-    config: CLIPTextConfig
+    config: TowerConfig
     dtype: Dtype = jnp.float32
+    causal: bool = True
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         norm = lambda name: LayerNorm(self.config.layer_norm_eps, self.dtype, name=name)  # noqa: E731
-        x = x + CLIPAttention(self.config, self.dtype, name="self_attn")(norm("layer_norm1")(x))
+        x = x + CLIPAttention(self.config, self.dtype, self.causal, name="self_attn")(norm("layer_norm1")(x))
         return x + CLIPMLP(self.config, self.dtype, name="mlp")(norm("layer_norm2")(x))
 
 
 class CLIPLayers(nn.Module):
     """The layers in order, named "0", "1", ...; returns every hidden state, the input first."""
 
-    config: CLIPTextConfig
+    config: TowerConfig
     dtype: Dtype = jnp.float32
+    causal: bool = True
 
     @nn.compact
     def __call__(self, x: jax.Array) -> list[jax.Array]:
         states = [x]
         for i in range(self.config.num_hidden_layers):
-            states.append(CLIPEncoderLayer(self.config, self.dtype, name=str(i))(states[-1]))
+            states.append(CLIPEncoderLayer(self.config, self.dtype, self.causal, name=str(i))(states[-1]))
         return states
 
 
 class CLIPEncoder(nn.Module):
     """Only a level of names: the checkpoints hold the layers as encoder/layers/<i>."""
 
-    config: CLIPTextConfig
+    config: TowerConfig
     dtype: Dtype = jnp.float32
+    causal: bool = True
 
     @nn.compact
     def __call__(self, x: jax.Array) -> list[jax.Array]:
-        return CLIPLayers(self.config, self.dtype, name="layers")(x)
+        return CLIPLayers(self.config, self.dtype, self.causal, name="layers")(x)
 
 
 class CLIPTextEmbeddings(nn.Module):
@@ -184,3 +249,86 @@ class CLIPTextModelWithProjection(CLIPTextModel):
         out = CLIPTextTransformer(self.config, self.dtype, name="text_model")(input_ids)
         projection = nn.Dense(self.config.projection_dim, use_bias=False, dtype=self.dtype, name="text_projection")
         return out._replace(text_embeds=projection(out.pooled))
+
+
+class CLIPVisionEmbeddings(nn.Module):
+    """Patches (a stride-`patch_size` conv without bias), the class token first, plus positions."""
+
+    config: CLIPVisionConfig
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, pixels: jax.Array) -> jax.Array:
+        cfg = self.config
+        if pixels.shape[1:] != (cfg.image_size, cfg.image_size, cfg.num_channels):
+            raise ValueError(f"pixels {pixels.shape[1:]}: the model takes "
+                             f"{(cfg.image_size, cfg.image_size, cfg.num_channels)} (B, H, W, C)")
+        patches = nn.Conv(cfg.hidden_size, (cfg.patch_size, cfg.patch_size), strides=(cfg.patch_size,) * 2,
+                          padding="VALID", use_bias=False, dtype=self.dtype, name="patch_embedding")(pixels)
+        patches = patches.reshape(patches.shape[0], -1, cfg.hidden_size)
+        token = self.param("class_embedding", nn.initializers.normal(1.0), (cfg.hidden_size,))
+        tokens = jnp.concatenate([jnp.broadcast_to(token.astype(patches.dtype), (patches.shape[0], 1, cfg.hidden_size)),
+                                  patches], axis=1)
+        positions = nn.Embed((cfg.image_size // cfg.patch_size) ** 2 + 1, cfg.hidden_size, dtype=self.dtype,
+                             name="position_embedding")(jnp.arange(tokens.shape[1]))
+        return tokens + positions[None]
+
+
+class CLIPVisionTransformer(nn.Module):
+    """pixels (B, H, W, C), preprocessed -> pooled (B, D): post_layernorm of the class token's
+    final state (transformers' `pooler_output`)."""
+
+    config: CLIPVisionConfig
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, pixels: jax.Array) -> jax.Array:
+        cfg = self.config
+        x = CLIPVisionEmbeddings(cfg, self.dtype, name="embeddings")(pixels.astype(self.dtype))
+        x = LayerNorm(cfg.layer_norm_eps, self.dtype, name="pre_layrnorm")(x)
+        last = CLIPEncoder(cfg, self.dtype, causal=False, name="encoder")(x)[-1]
+        return LayerNorm(cfg.layer_norm_eps, self.dtype, name="post_layernorm")(last[:, 0])
+
+
+class CLIPVisionModel(nn.Module):
+    """pixels (B, H, W, C) -> pooled (B, D): transformers' CLIPVisionModel, one level of names
+    (`vision_model/`) around the transformer, as diffusers' safety checker holds it."""
+
+    config: CLIPVisionConfig
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, pixels: jax.Array) -> jax.Array:
+        return CLIPVisionTransformer(self.config, self.dtype, name="vision_model")(pixels)
+
+
+class CLIPModel(nn.Module):
+    """transformers' CLIPModel without its logit_scale: `image_embeds(pixels)` and
+    `text_embeds(input_ids)`, each projected to `projection_dim` (not normalised)."""
+
+    config: CLIPConfig
+    dtype: Dtype = jnp.float32
+
+    def setup(self) -> None:
+        cfg = self.config
+        self.vision_model = CLIPVisionTransformer(cfg.vision_config, self.dtype)
+        self.visual_projection = nn.Dense(cfg.projection_dim, use_bias=False, dtype=self.dtype)
+        self.text_model = CLIPTextTransformer(cfg.text_config, self.dtype)
+        self.text_projection = nn.Dense(cfg.projection_dim, use_bias=False, dtype=self.dtype)
+
+    def image_embeds(self, pixels: jax.Array) -> jax.Array:
+        """pixels (B, H, W, C), preprocessed -> (B, P): CLIPModel.get_image_features."""
+        return self.visual_projection(self.vision_model(pixels))
+
+    def text_embeds(self, input_ids: jax.Array) -> jax.Array:
+        """input_ids (B, T) -> (B, P): CLIPModel.get_text_features."""
+        return self.text_projection(self.text_model(input_ids).pooled)
+
+    def __call__(self, pixels: jax.Array, input_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return self.image_embeds(pixels), self.text_embeds(input_ids)
+
+    def init_params(self, rng: jax.Array) -> dict:
+        """Random parameters of the checkpoints' shapes (under `jax.eval_shape`, the shapes alone)."""
+        vision = self.config.vision_config
+        pixels = jnp.zeros((1, vision.image_size, vision.image_size, vision.num_channels), self.dtype)
+        return self.init(rng, pixels, jnp.zeros((1, 1), jnp.int32))["params"]
