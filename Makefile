@@ -37,9 +37,10 @@ TEST_PROCESSES ?= 3
 test: $(BIN)/.installed system-packages
 	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) --durations=25
 
-# A change's inner loop: everything but the farm's worker processes, the oracle's renders and Chromium.
+# A change's inner loop: everything but the farm's worker processes, the oracle's renders, Chromium
+# and the compiles for other accelerators.
 check: $(BIN)/.installed system-packages
-	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) -m "not farm and not oracle and not browser"
+	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) -m "not farm and not oracle and not browser and not target"
 
 system-packages:
 	@command -v redis-server >/dev/null && command -v chromium >/dev/null || \
