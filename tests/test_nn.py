@@ -20,7 +20,7 @@ import pytest
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from diffusion.nn.attention import LAYOUTS, attention, use_layout
-from diffusion.nn.clip import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+from diffusion.nn.clip import CLIPConfig, CLIPModel, CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 from diffusion.nn.unet import GroupNorm, LayerNorm, UNet2DConditionModel, UNetConfig
 from diffusion.nn.vae import AutoencoderKL, VAEConfig
 
@@ -342,3 +342,20 @@ def test_real_configs_are_read() -> None:
 def test_unsupported_config_is_refused(cls: Any, base: dict, key: str, value: Any) -> None:
     with pytest.raises(ValueError, match=re.escape(f"{key}={value!r}: ")):
         cls.from_dict({**base, key: value})
+
+
+def test_clip_model_tree_is_transformers_flax_clip_model() -> None:
+    """CLIPModel (both towers and projections, diffusion/scores.py's CLIP score) has the tree of
+    transformers' FlaxCLIPModel, which is the PyTorch checkpoints' names, less its logit_scale."""
+    import transformers
+
+    config = {"text_config": FLAX_CONFIGS["clip"], "projection_dim": 16,
+              "vision_config": {"hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 2,
+                                "num_attention_heads": 4, "image_size": 32, "patch_size": 8}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = transformers.FlaxCLIPModel(transformers.CLIPConfig(**config), _do_init=False)
+        want = _paths(jax.eval_shape(lambda key: theirs.init_weights(key, ((1, 77), (1, 32, 32, 3))), KEY))
+    ours = CLIPModel(CLIPConfig.from_dict(config))
+    assert want.pop("logit_scale") == ()
+    assert _paths(jax.eval_shape(ours.init_params, KEY)) == want
