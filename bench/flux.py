@@ -7,7 +7,8 @@ weights need per chip, and what the farm renders of a tiny Flux on this machine.
    16-channel VAE's decoder. Then images/s at 50% of each accelerator's dense bf16 peak, and
    the fraction of peak maxdiffusion's published TPU v6e-4 figures reach.
 2. Memory: each component's parameters and bf16 bytes, and the split over a host's chips the
-   worker chooses (diffusion.sharding.choose_model_parallel: weights at most half a chip).
+   worker chooses (diffusion.sharding.choose_model_parallel: weights at most 3/4 of the memory
+   JAX may use on a chip).
 3. The tiny Flux of `renderfarm tiny-model --kind flux` rendered by the engine on the host's
    devices: images/s in steady state, compile excluded.
 
@@ -43,6 +44,7 @@ from diffusion.nn.flux import FluxConfig, FluxTransformer2DModel  # noqa: E402
 from diffusion.nn.t5 import T5Config, T5EncoderModel  # noqa: E402
 from diffusion.nn.vae import AutoencoderKL, VAEConfig  # noqa: E402
 from diffusion.sharding import choose_model_parallel  # noqa: E402
+from diffusion.targets import GPU_USABLE, TPU_USABLE  # noqa: E402
 from diffusion.tiny import build_tiny_model  # noqa: E402
 from renderfarm.jobs import JobSpec  # noqa: E402
 from worker.engine import Engine  # noqa: E402
@@ -57,8 +59,9 @@ FLUX_VAE = {**VAE, "latent_channels": 16, "sample_size": SIZE, "scaling_factor":
 # published figure on a TPU v6e-4 (its README): images, seconds
 VARIANTS = {"schnell": ({"guidance_embeds": False}, 4, (4, 0.8)), "dev": ({"guidance_embeds": True}, 28, (4, 5.5))}
 V6E4_PEAK = 4 * 918e12
-# chips a worker may split the weights over, and each one's memory
-CHIPS = {"TPU v5e (16 GB)": 16e9, "TPU v6e (32 GB)": 32e9, "H100 (80 GB)": 80e9, "H200 (141 GB)": 141e9}
+# chips a worker may split the weights over: the memory JAX may use on each (diffusion.targets)
+CHIPS = {"TPU v5e (16 GB)": 16e9 * TPU_USABLE, "TPU v6e (32 GB)": 32e9 * TPU_USABLE, "H100 (80 GB)": 80e9 * GPU_USABLE,
+         "H200 (141 GB)": 141e9 * GPU_USABLE}
 HOST_CHIPS = 8
 
 

@@ -52,6 +52,7 @@ from diffusion.schedulers import CLASS_NAMES
 from diffusion.placement import Placement, make_placement
 from diffusion.sharding import choose_model_parallel
 from diffusion.single_file import check_family, read_single_file
+from diffusion.targets import usable_share
 from diffusion.tokenizer import TokenizerError
 from diffusion.weights import (
     PICKLE_SUFFIXES,
@@ -388,13 +389,15 @@ def load_model(ref: str, dtype: str = "float32", variant: str | None = None, bas
 def _fitting_model_parallel(ref: str, folder: Path, family: Family, sources: dict[str, dict[str, TensorInfo]],
                             dtype: str, devices: list[jax.Device]) -> int:
     """`choose_model_parallel` for this model's weights in `dtype` (safetensors: their tensors'
-    sizes; Flax msgpack: the files' sizes) and the devices' memory."""
+    sizes; Flax msgpack: the files' sizes) and the memory JAX may use on the devices."""
     size = DTYPES[dtype].itemsize
     weight_bytes = sum(math.prod(info.shape) * size for tensors in sources.values() for info in tensors.values())
     weight_bytes += sum(path.stat().st_size for name in family.components if name not in sources
                         for path in (folder / name).glob("*.msgpack"))
     try:
-        return choose_model_parallel(weight_bytes, (devices[0].memory_stats() or {}).get("bytes_limit"), len(devices))
+        limit = (devices[0].memory_stats() or {}).get("bytes_limit")
+        usable = int(limit * usable_share(devices[0].platform)) if limit else None
+        return choose_model_parallel(weight_bytes, usable, len(devices))
     except ValueError as err:
         raise JobError("model", ref, str(err)) from None
 

@@ -30,7 +30,10 @@ from jax.sharding import PartitionSpec
 
 DATA, MODEL = "data", "model"
 _split: contextvars.ContextVar[bool] = contextvars.ContextVar("tensor_parallel", default=False)
-WEIGHTS_SHARE = 0.5  # of a device's memory the weights may take; the rest is the programs' working memory
+# Of the memory JAX may use on a device (its `bytes_limit`, on a GPU already 75% of the GPU's; on
+# a TPU less the runtime's 10%: diffusion.targets.usable_share), the share weights may take; the
+# rest is the programs' working memory.
+WEIGHTS_SHARE = 0.75
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +179,8 @@ def constrain(x: jax.Array, *axes: str | None) -> jax.Array:
 
 def choose_model_parallel(weight_bytes: int, device_bytes: int | None, devices: int) -> int:
     """The fewest devices per copy of the weights such that each holds at most WEIGHTS_SHARE
-    of its memory in weights (1 where the backend reports no memory limit, as XLA's CPU one)."""
+    of `device_bytes`, the memory JAX may use there, in weights (1 where the backend reports
+    no memory limit, as XLA's CPU one)."""
     if not device_bytes:
         return 1
     for n in (n for n in range(1, devices + 1) if devices % n == 0):
