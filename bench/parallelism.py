@@ -23,9 +23,10 @@ from flax.jax_utils import replicate  # noqa: E402
 
 from diffusion.generate import Inputs, Output, Static  # noqa: E402
 from diffusion.models import load_model  # noqa: E402
+from diffusion.placement import BATCH, WHOLE  # noqa: E402
 from diffusion.tiny import build_tiny_model  # noqa: E402
 from renderfarm.jobs import JobSpec  # noqa: E402
-from worker.engine import BATCH, REPLICATED, Engine  # noqa: E402
+from worker.engine import Engine  # noqa: E402
 
 
 def seconds_per_call(call: Callable[[], Output], repeats: int) -> float:
@@ -51,13 +52,13 @@ def main() -> None:
     params = engine._params
     fn = partial(model.family.generate, model.networks, engine.scheduler(key),
                  Static(key.height, key.width, key.steps, key.guided))
-    mesh = engine._sharded.mesh
+    mesh = engine.placement.mesh
 
     per_device = Inputs(*(np.asarray(x).reshape(n, 1, *x.shape[1:]) for x in inputs))
     pmapped = jax.pmap(fn)
     p_params = replicate(params)
     auto = jax.jit(fn)
-    mapped = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(REPLICATED, BATCH), out_specs=BATCH, check_vma=False))
+    mapped = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(WHOLE, BATCH), out_specs=BATCH, check_vma=False))
     results = {
         "pmap": seconds_per_call(lambda: pmapped(p_params, per_device), args.repeats),
         "jit, automatic partitioning": seconds_per_call(lambda: auto(params, inputs), args.repeats),
