@@ -192,6 +192,19 @@ VIT_L14 = {
 }
 
 
+def test_configs_of_transformers_4_read_as_transformers_reads_them() -> None:
+    """A `vision_config_dict` / `text_config_dict` (configs saved by transformers 4.2x) replaces
+    its sub-config whole, the defaults included (transformers 5.23's CLIPConfig gives the same)."""
+    stale = {**VIT_L14, "vision_config": {**VIT_L14["vision_config"], "hidden_size": 768, "patch_size": 32},
+             "vision_config_dict": {"hidden_size": 1024, "patch_size": 14, "num_attention_heads": 16},
+             "text_config_dict": {"num_hidden_layers": 3}}
+    config = CLIPConfig.from_dict(stale)
+    vision, text = config.vision_config, config.text_config
+    assert (vision.hidden_size, vision.patch_size, vision.intermediate_size, vision.num_hidden_layers) == (
+        1024, 14, 3072, 12)
+    assert (text.num_hidden_layers, text.hidden_size) == (3, 512)
+
+
 def _tower_names(prefix: str, width: int, mlp: int, layers: int) -> dict[str, tuple[int, ...]]:
     """A transformers CLIP encoder's tensors: PyTorch names and shapes."""
     names = {}
@@ -217,7 +230,8 @@ def _vision_names(prefix: str) -> dict[str, tuple[int, ...]]:
 
 
 def _flat_shapes(module: Any) -> dict[tuple[str, ...], tuple[int, ...]]:
-    return {k: tuple(v.shape) for k, v in flatten_dict(jax.eval_shape(module.init_params, jax.random.PRNGKey(0))).items()}
+    shapes = jax.eval_shape(module.init_params, jax.random.PRNGKey(0))
+    return {k: tuple(v.shape) for k, v in flatten_dict(shapes).items()}
 
 
 def test_vit_l14_builds_with_the_hub_layout() -> None:
@@ -239,7 +253,8 @@ def test_vit_l14_builds_with_the_hub_layout() -> None:
     checker = {**_vision_names("vision_model.vision_model."), "visual_projection.weight": (768, 1024),
                "concept_embeds": (17, 768), "special_care_embeds": (3, 768),
                "concept_embeds_weights": (17,), "special_care_embeds_weights": (3,)}
-    convert.plan("safety_checker", checker, _flat_shapes(SafetyTower(config)), "CompVis/stable-diffusion-safety-checker")
+    convert.plan("safety_checker", checker, _flat_shapes(SafetyTower(config)),
+                 "CompVis/stable-diffusion-safety-checker")
 
 
 # --------------------------------------------------------------------------------------- refusals

@@ -119,11 +119,14 @@ class CLIPConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> CLIPConfig:
-        """From a transformers CLIPConfig dict; missing sub-configs take transformers' defaults."""
+        """From a transformers CLIPConfig dict; missing sub-configs take transformers' defaults.
+        A `*_config_dict`, which configs saved by transformers 4.2x carry (the hub's CLIP and
+        safety checker among them), replaces its sub-config whole, defaults and all, as
+        transformers reads it."""
         if d.get("model_type", "clip") != "clip":
             raise refuse("model_type", d["model_type"], "only a CLIPConfig ('clip')")
-        return cls(CLIPTextConfig.from_dict(d.get("text_config") or {}),
-                   CLIPVisionConfig.from_dict(d.get("vision_config") or {}),
+        sub = lambda name: d[f"{name}_dict"] if d.get(f"{name}_dict") is not None else d.get(name) or {}  # noqa: E731
+        return cls(CLIPTextConfig.from_dict(sub("text_config")), CLIPVisionConfig.from_dict(sub("vision_config")),
                    int(d.get("projection_dim", 512)))
 
 

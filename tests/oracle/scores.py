@@ -99,7 +99,8 @@ def _concepts(checker: StableDiffusionSafetyChecker, embeds: torch.Tensor, seed:
     rng = np.random.default_rng(seed)
     centred = (embeds - embeds.mean(0)).numpy()
     unit = lambda t: t / np.linalg.norm(t, axis=-1, keepdims=True)  # noqa: E731
-    aim = lambda i: centred[i] + 0.1 * np.linalg.norm(centred[i]) * unit(rng.standard_normal(centred.shape[1]))  # noqa: E731
+    noise = lambda: unit(rng.standard_normal(centred.shape[1]))  # noqa: E731
+    aim = lambda i: centred[i] + 0.1 * np.linalg.norm(centred[i]) * noise()  # noqa: E731
     special = unit(rng.standard_normal((3, centred.shape[1])))
     concept = unit(rng.standard_normal((17, centred.shape[1])))
     special[0], special[1], concept[0], concept[1] = aim(ADJUSTED), aim(ADJUSTED), aim(FLAGGED), aim(ADJUSTED)
