@@ -290,6 +290,10 @@ def test_missing_and_malformed_models_fail_at_load(tmp_path: Path) -> None:
     config["projection_dim"] = 8
     (wrong / "config.json").write_text(json.dumps(config))
     cases.append((dict(clip=wrong), "clip", "with the wrong shape"))
+    untokenized = tmp_path / "untokenized"
+    shutil.copytree(DATA / "clip", untokenized)
+    (untokenized / "tokenizer_config.json").unlink()
+    cases.append((dict(clip=untokenized), "clip", "its tokenizer"))
     for kwargs, score, why in cases:
         with pytest.raises(ScoreModelError) as err:
             load_scorers(**kwargs)
