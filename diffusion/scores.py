@@ -19,9 +19,10 @@ tests/data/scores/, written by tests/oracle/scores.py):
 
 One tower serves every score with the same weights: the CLIP model's image embeds feed the CLIP
 score and the aesthetic predictor, and the safety checker's too when its tower and projection
-are the CLIP model's (compared at load). CLIP's preprocessing (CLIPImageProcessor: shortest side
-to the tower's image_size, bicubic with antialiasing; centre crop; rescale; CLIP's mean and std)
-runs on the device on the uint8 batch, inside the same jittable function.
+are the CLIP model's (compared at load). CLIP's preprocessing (CLIPImageProcessor's PIL backend,
+transformers 4's only one: shortest side to the tower's image_size, bicubic with antialiasing;
+centre crop; rescale; CLIP's mean and std) runs on the device on the uint8 batch, inside the same
+jittable function; a batch sharded over the devices gives scores sharded alike.
 
 The worker's API:
 
