@@ -146,6 +146,9 @@ def format_status(report: dict[str, Any]) -> str:
                      f"{report['jobs']} jobs in all")
     lines += _finished_lines(report) if report["finished"] else _running_lines(report)
     lines += _cost_lines(report)
+    if report["safety_checked"]:
+        lines.append(f"  {'safety':<10} {report['safety_checked']:>8} done images checked, {report['nsfw']} "
+                     f"flagged nsfw ({report['safety_pass_rate']:.1%} passed)")
     failures = list(report["failures"].items())
     if failures:
         lines.append(f"failures ({len(failures)}):")

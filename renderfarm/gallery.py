@@ -140,6 +140,7 @@ figure img{display:block;width:128px;height:128px;object-fit:contain;margin:0 au
 figcaption{margin-top:6px;font-size:12px;overflow-wrap:anywhere}
 .prompt{display:-webkit-box;-webkit-line-clamp:3;-webkit-box-orient:vertical;overflow:hidden}
 .meta{color:#999}
+.meta,.scores{display:block}.nsfw{color:#f66}
 """
 
 
@@ -154,7 +155,20 @@ def _figure(record: dict[str, Any], eager: bool) -> str:
             f'<img src="thumbs/{job_id}.jpg" alt="{prompt}" title="{prompt}"{loading}></a>'
             f'<figcaption><span class="prompt">{prompt}</span>'
             f'<span class="meta">seed {seed} · {size} · <a href="{job_id}.json">sidecar</a></span>'
-            f'</figcaption></figure>')
+            f'{_scores_line(record.get("scores"))}</figcaption></figure>')
+
+
+def _scores_line(scores: Any) -> str:
+    """An image's scores under its caption (renderfarm/scores.py), an nsfw flag marked."""
+    if not isinstance(scores, dict) or not scores:
+        return ""
+    shown = [f"{name} {scores[name]:.4g}" for name in ("clip", "aesthetic")
+             if isinstance(scores.get(name), (int, float))]
+    if scores.get("nsfw") is True:
+        shown.insert(0, '<b class="nsfw">nsfw</b>')
+    elif scores.get("nsfw") is False:
+        shown.insert(0, "safe")
+    return f'<span class="scores">{" · ".join(shown)}</span>' if shown else ""
 
 
 def render_index(campaign: str, records: list[dict[str, Any]], total: int, manifest_link: bool = True) -> str:

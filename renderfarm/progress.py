@@ -18,6 +18,7 @@ Keys (CAMPAIGN is validated by the job contract, so it cannot reach outside its 
   rf:c:CAMPAIGN:cancel      flag: queued jobs of the campaign are skipped
   rf:c:CAMPAIGN:times       hash: first_submitted, first_done, last_done (unix seconds), and
                             device_seconds (the devices' time its done images took)
+  rf:c:CAMPAIGN:scores      hash: safety (done images safety-checked), nsfw (those flagged)
   rf:c:CAMPAIGN:attempts    hash job id -> attempts started (the same spec in two campaigns is
                             two jobs: each has its own attempts)
   rf:c:CAMPAIGN:submission:ID  set of the job ids one submission sent (expires after 7 days)
@@ -177,20 +178,23 @@ class Progress:
                 closed.update((campaign, job_id) for job_id, flag in zip(ids, is_open) if not flag)
         return [max(n, 2) if job in closed else n for job, n in zip(jobs, attempts)]
 
-    def finished(self, jobs: Iterable[tuple[str, str]], device_seconds: Iterable[float] | None = None) -> None:
+    def finished(self, jobs: Iterable[tuple[str, str]], device_seconds: Iterable[float] | None = None,
+                 nsfw: Iterable[bool | None] | None = None) -> None:
         """Mark (campaign, job id) pairs done, in one round trip, a few commands a campaign;
         `device_seconds` (one per job: its share of its batch's device time) add up per
-        campaign, once per job however often it is finished."""
+        campaign, and so do the safety checker's verdicts (`nsfw`, None where a job has no
+        safety score), once per job however often it is finished."""
         jobs = list(jobs)
         seconds = dict(zip(jobs, device_seconds if device_seconds is not None else [0.0] * len(jobs)))
+        safety = dict(zip(jobs, nsfw if nsfw is not None else [None] * len(jobs)))
         now = time.time()
         pipe = self.r.pipeline(transaction=False)
         for campaign, ids in _by_campaign(jobs).items():
             pipe.srem(key(campaign, "running"), *ids)
-            self._finish(keys=[key(campaign, "done"), key(campaign, "times"), key(campaign, "open"),
-                               key(campaign, "counts"), key(campaign, "attempts"), key(campaign, "failed"),
-                               key(campaign, "cancelled")],
-                         args=[x for job_id in ids for x in (job_id, repr(float(seconds[(campaign, job_id)])))],
+            self._finish(keys=[key(campaign, what) for what in ("done", "times", "open", "counts", "attempts",
+                                                                  "failed", "cancelled", "scores")],
+                         args=[x for job_id in ids for x in (job_id, repr(float(seconds[(campaign, job_id)])),
+                                                             _verdict(safety[(campaign, job_id)]))],
                          client=pipe)
             pipe.hsetnx(key(campaign, "times"), "first_done", now)
             pipe.hset(key(campaign, "times"), "last_done", now)
@@ -231,7 +235,9 @@ class Progress:
         pipe.hgetall(key(campaign, "times"))
         pipe.exists(key(campaign, "cancel"))
         pipe.hgetall(key(campaign, "counts"))
-        submitted, running, done, cancelled, open_jobs, failed, times, cancel, counts = pipe.execute()
+        pipe.hgetall(key(campaign, "scores"))
+        submitted, running, done, cancelled, open_jobs, failed, times, cancel, counts, scores = pipe.execute()
+        checked, flagged = (int(scores.get(field, 0)) for field in (b"safety", b"nsfw"))
         failed = {k.decode(): v.decode() for k, v in failed.items()}
         counts = {k.decode(): int(v) for k, v in counts.items() if k != b"admit"}
         window = counts.get("window")
@@ -269,6 +275,10 @@ class Progress:
             # count when the campaign is finished (its done jobs and those storage lacks)
             "window": window,
             "jobs": counts.get("jobs"),
+            # done images the safety checker saw, those it flagged, and the share that passed
+            "safety_checked": checked,
+            "nsfw": flagged,
+            "safety_pass_rate": 1 - flagged / checked if checked else None,
         }
 
 
@@ -281,6 +291,11 @@ def _rate(done: int, submitted_at: float, first: float, last: float) -> float | 
     if done and submitted_at and last > submitted_at:
         return done / (last - submitted_at)
     return None
+
+
+def _verdict(nsfw: bool | None) -> str:
+    """A job's safety as lua/finish.lua takes it."""
+    return "" if nsfw is None else str(int(nsfw))
 
 
 def _by_campaign(jobs: Iterable[tuple[str, str]]) -> dict[str, list[str]]:

@@ -13,7 +13,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from producer.campaigns import campaign_jobs, parse_spec
+from harness.redis_server import RedisServer
+from producer.status import format_status
 from renderfarm.jobs import JobError, check_scores, parse_job
+from renderfarm.progress import Progress
 from renderfarm.scores import Expression, hamming, near_duplicates
 from renderfarm.storage import open_storage
 from renderfarm_cli import main
@@ -136,3 +139,25 @@ def test_export_keeps_what_passes_where_and_the_first_of_near_duplicates(
     code = main(["export", "scored", "--from", str(tmp_path / "renders"), "--format", "parquet",
                  "--to", str(tmp_path / "bad"), "--where", "open('x')"])
     assert code == 2 and """where="open('x')": holds "open('x')": must compare""" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("window", [None, 10])
+def test_a_campaigns_safety_pass_rate_counts_each_done_image_once(redis_server: RedisServer,
+                                                                  window: int | None) -> None:
+    client = redis_server.client()
+    client.flushall()
+    progress = Progress(client)
+    ids = ["a", "b", "c", "d"]
+    if window is None:
+        progress.submitted("safe", ids, "rf.q")
+    else:
+        client.hset("rf:c:safe:counts", "window", window)
+        client.set("rf:c:safe:feeder", "holder")
+        progress.admit("safe", [(i, "rf.q", i) for i in ids], ["rf.q"], "holder", "t1")
+    done = [("safe", i) for i in ids]
+    progress.finished(done[:3], [1.0] * 3, [False, True, None])  # c asked for no safety score
+    progress.finished(done, [1.0] * 4, [False, True, None, False])  # a redelivery counts nothing twice
+    report = progress.status("safe")
+    assert (report["safety_checked"], report["nsfw"], report["safety_pass_rate"]) == (3, 1, pytest.approx(2 / 3))
+    assert "safety            3 done images checked, 1 flagged nsfw (66.7% passed)" in format_status(
+        {**report, "queues": [], "workers": [], "warnings": [], "cost_per_1000_images": None})

@@ -95,7 +95,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
             raise JobError("precompile", f"{shape['width']}x{shape['height']}@{shape['steps']}", str(err)) from None
 
     engine = engine_for(model, args.per_device_batch, lambda engine: key_of(engine, shapes[0]),
-                        max_programs=args.max_programs,
+                        max_programs=args.max_programs, scorers=load_named_scorers(args),
                         executables=ExecutableStore(cache / "executables", max_bytes=args.compile_cache_max_gb * 2**30))
     for shape in shapes:
         started = time.perf_counter()
@@ -167,7 +167,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     specs = list(build_jobs(itertools.chain(first, rows), job_defaults(args), args.seed, model.size_step))
     # --per-device-batch auto sizes batches for the first job's shape
     engine = engine_for(model, args.per_device_batch, lambda engine: engine.check(specs[0]),
-                        executables=ExecutableStore(cache / "executables"))
+                        executables=ExecutableStore(cache / "executables"), scorers=load_named_scorers(args))
     engine.plan(specs)  # the model's own rules (sampler, size) refuse a job before anything is written
     storage = open_storage(args.out, durable=False)  # nothing is acked on it
     report = render_to_storage(specs, engine, storage, progress=not args.quiet, store_threads=args.store_threads)
@@ -191,6 +191,33 @@ def cmd_tiny_model(args: argparse.Namespace) -> int:
     path = build_tiny_model(args.dir, kind=args.kind, seed=args.seed)
     print(f"tiny {args.kind} model written to {path}")
     return 0
+
+
+SCORE_MODELS = {  # a job's score -> the model flag that gives it, and what that model is
+    "safety": "diffusers' safety checker folder (config.json, model.safetensors), as in a pipeline's "
+              "safety_checker/: the safety score (nsfw and its concepts)",
+    "clip": "a CLIP model folder (transformers' CLIPModel with its tokenizer; ViT-L/14 as openai/"
+            "clip-vit-large-patch14): the clip score, and the embeds the aesthetic score reads",
+    "aesthetic": "LAION's improved aesthetic predictor as one .safetensors file (needs --clip-model)",
+}
+
+
+def score_model_flags(parser: argparse.ArgumentParser) -> None:
+    """The scoring models a worker loads at start-up (a folder, a hub id or gs://); a job's
+    score whose model is not given is missing from its sidecar, with the reason."""
+    for name, what in SCORE_MODELS.items():
+        parser.add_argument(f"--{name}-model", metavar="REF", help=what)
+
+
+def load_named_scorers(args: argparse.Namespace) -> Any:
+    """The scorers the command line names (diffusion.scores.Scorers; phash needs none)."""
+    from diffusion.models import resolve, resolve_file
+    from diffusion.scores import load_scorers
+
+    refs = {name: getattr(args, f"{name}_model") for name in SCORE_MODELS}
+    paths = {name: None if ref is None else resolve_file(ref, f"{name}-model")[0] if name == "aesthetic"
+             else resolve(ref)[0] for name, ref in refs.items()}
+    return load_scorers(**paths)
 
 
 def store_threads_flag(parser: argparse.ArgumentParser) -> None:
@@ -244,6 +271,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     render.add_argument("--out", required=True, help="local folder or gs://bucket/prefix")
     devices_flags(render)
     store_threads_flag(render)
+    score_model_flags(render)
     compile_cache_flag(render)
     render.add_argument("--quiet", action="store_true", help="no progress bar")
     render.set_defaults(handler=cmd_render)
@@ -258,6 +286,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="seconds a partial batch waits for more jobs while the devices are busy "
                              "(default 2; idle devices take it once no job has come for 50 ms)")
     store_threads_flag(worker)
+    score_model_flags(worker)
     broker_flag(worker)
     worker.add_argument("--precompile", metavar=f"WxH@STEPS[:SCHED][:SPACING][:{KARRAS}][:{CFG_FREE}],...",
                         help="shapes to compile before consuming anything (default: none; others compile "

@@ -32,6 +32,7 @@ from diffusion.generate import Output, Static
 from diffusion.models import LoadedModel
 from diffusion.placement import lower_generate, make_placement
 from diffusion.schedulers import Scheduler, make
+from diffusion.scores import Scorers
 from renderfarm.jobs import JobError, JobSpec, check_sampler, sampler_label
 from worker.executables import ExecutableStore, fingerprint, private_folder
 
@@ -81,6 +82,8 @@ class Rendered:
     truncated: bool
     batch: Batch
     scanlines: np.ndarray | None = None  # its PNG scanlines, filtered by the devices (diffusion.generate)
+    scores: dict[str, Any] = dataclasses.field(default_factory=dict)  # the device's scores it asked for
+    unscored: dict[str, str] = dataclasses.field(default_factory=dict)  # score -> why it is missing
 
 
 def enable_compilation_cache(folder: str | os.PathLike | None = None, max_bytes: float = 10 * 2**30) -> Path:
@@ -115,6 +118,7 @@ log = logging.getLogger(__name__)
 # backend reports no memory limit (CPU), DEFAULT_MAX_PROGRAMS.
 DEFAULT_MAX_PROGRAMS, MAX_PROGRAMS_BOUNDS, PROGRAM_SHARE = 16, (2, 64), 0.05
 CACHE_HIT = "/jax/compilation_cache/cache_hits"
+DEVICE_SCORES = ("safety", "clip", "aesthetic")  # scored on the devices; phash is the host's (worker/output.py)
 JAX_EVENTS: collections.Counter[str] = collections.Counter()
 
 
@@ -135,6 +139,7 @@ class InFlight:
     truncated: list[bool]
     started: float
     seq: int
+    scores: Any = None  # the scorers' outputs (jax.Arrays still computing), if any job asked
 
     def ready(self) -> bool:
         is_ready = getattr(self.output.images, "is_ready", None)
@@ -146,7 +151,8 @@ class Engine:
 
     def __init__(self, model: LoadedModel, per_device_batch: int = 1,
                  devices: Sequence[jax.Device] | None = None,
-                 executables: ExecutableStore | None = None, max_programs: int | None = None) -> None:
+                 executables: ExecutableStore | None = None, max_programs: int | None = None,
+                 scorers: Scorers | None = None) -> None:
         if per_device_batch < 1:
             raise JobError("per_device_batch", per_device_batch, "must be at least 1")
         if max_programs is not None and max_programs < 1:
@@ -173,6 +179,11 @@ class Engine:
         self.compile_seconds = 0.0
         self.compiles = 0  # programs compiled (not loaded from saved executables)
         self.cache_hits = 0  # programs found in the persistent compilation cache
+        # Scoring models on every device, run on each batch's images where they are (no host round trip).
+        self.scorers = scorers
+        if scorers is not None and scorers.params:
+            self._score_params = jax.device_put(scorers.params, self.placement.replicated)
+            self._score = jax.jit(scorers.score_batch)
         _count_jax_events()
 
     # -- validation and grouping -------------------------------------------------------
@@ -352,14 +363,56 @@ class Engine:
         return plan
 
     def start(self, specs: Sequence[JobSpec], key: ShapeKey, idx: list[int]) -> InFlight:
-        """Start the batch `specs[i] for i in idx` on the devices and return at once."""
-        output, truncated = self.dispatch(key, [specs[i] for i in idx])
-        return InFlight([specs[i] for i in idx], idx, key, output, truncated, time.perf_counter(),
-                        next(self._batches))
+        """Start the batch `specs[i] for i in idx` on the devices, and its scores after it on
+        the images where they are, and return at once."""
+        jobs = [specs[i] for i in idx]
+        output, truncated = self.dispatch(key, jobs)
+        return InFlight(jobs, idx, key, output, truncated, time.perf_counter(), next(self._batches),
+                        self._start_scores(jobs, output.images))
+
+    def _start_scores(self, jobs: list[JobSpec], images: Any) -> Any:
+        """The scorers on the batch's images (padding included), if a job asked for a score
+        they give."""
+        given = set(self.scorers.scores) & set(DEVICE_SCORES) if self.scorers is not None else set()
+        if not any(given & set(job.scores or ()) for job in jobs):
+            return None
+        padded = jobs + [jobs[-1]] * (self.batch_size - len(jobs))
+        return self._score(self._score_params, images, self.scorers.tokenize([j.prompt for j in padded]))
+
+    def _job_scores(self, spec: JobSpec, scores: dict[str, np.ndarray] | str | None,
+                    n: int) -> tuple[dict[str, Any], dict[str, str]]:
+        """The device's scores job `spec` (row `n`) asked for, as its sidecar states them
+        (renderfarm/scores.py), and why any is missing (`scores`: the batch's outputs on the
+        host, or why they failed)."""
+        given = self.scorers.scores if self.scorers is not None else ()
+        out: dict[str, Any] = {}
+        missing: dict[str, str] = {}
+        for name in (s for s in spec.scores or () if s in DEVICE_SCORES):
+            if name not in given:
+                missing[name] = f"this worker has no {name} model (renderfarm worker --{name}-model)"
+            elif isinstance(scores, str) or scores is None:
+                missing[name] = scores or "not computed"
+            elif name == "safety":
+                out["nsfw"] = bool(scores["nsfw"][n])
+                out["safety_concepts"] = {f"{kind} {i}": round(float(v), 3)
+                                          for kind, row in (("concept", scores["concept_scores"][n]),
+                                                            ("special", scores["special_scores"][n]))
+                                          for i, v in enumerate(row) if v > 0}
+            else:
+                out[name] = round(float(scores[name][n]), 4)
+        return out, missing
 
     def collect(self, batch: InFlight) -> list[Rendered]:
-        """Wait for a started batch; its jobs' images, padding dropped."""
+        """Wait for a started batch; its jobs' images (padding dropped) and scores. A scorer
+        that fails costs the jobs their scores (each says why), never their images."""
         pixels, scanlines = np.asarray(batch.output.images), np.asarray(batch.output.scanlines)
+        scores: dict[str, np.ndarray] | str | None = None
+        if batch.scores is not None:
+            try:
+                scores = {name: np.asarray(value) for name, value in batch.scores.items()}
+            except Exception as err:  # noqa: BLE001 - the images stand without their scores
+                log.warning("batch %d: scoring failed: %s", batch.seq, err)
+                scores = f"scoring failed: {type(err).__name__}: {err}"
         now = time.perf_counter()
         # The devices run batches one after another: this one had them from its start, or
         # from the end of the one before if that ended later.
@@ -367,7 +420,8 @@ class Engine:
         self._last_collected = now
         self._record_peak_memory(batch.key)
         info = Batch(batch.seq, len(batch.specs), self.batch_size, now - batch.started, busy * len(self.devices))
-        return [Rendered(i, spec, pixels[n], batch.key, batch.truncated[n], info, scanlines[n])
+        return [Rendered(i, spec, pixels[n], batch.key, batch.truncated[n], info, scanlines[n],
+                         *self._job_scores(spec, scores, n))
                 for n, (i, spec) in enumerate(zip(batch.indices, batch.specs))]
 
     def iter_render(self, specs: Sequence[JobSpec],

@@ -34,6 +34,11 @@ class WorkerMetrics:
         peak = peak_flops(device_kind)
         self.peak = None if peak is None else peak * devices
         self.images = Counter("renderfarm_images_rendered", "Images stored", ["campaign"], registry=r)
+        # the safety pass rate of a campaign: 1 - nsfw / safety-checked
+        self.safety_checked = Counter("renderfarm_images_safety_checked", "Images stored with a safety score",
+                                      ["campaign"], registry=r)
+        self.nsfw = Counter("renderfarm_images_nsfw", "Images stored that the safety checker flagged",
+                            ["campaign"], registry=r)
         self.failed = Counter("renderfarm_images_failed", "Jobs failed or retried, by reason", ["reason"],
                               registry=r)
         self.batches = Counter("renderfarm_batches", "Batches rendered", registry=r)
@@ -97,6 +102,10 @@ class WorkerMetrics:
             campaign = record["spec"]["campaign"]
             self.images.labels(campaign).inc()
             self.device_seconds.labels(campaign).inc(record["device_seconds"])
+            nsfw = (record.get("scores") or {}).get("nsfw")
+            if nsfw is not None:
+                self.safety_checked.labels(campaign).inc()
+                self.nsfw.labels(campaign).inc(nsfw)
 
     def compiled(self, count: int, seconds: float) -> None:
         """The engine's totals so far (compiles run on their own thread; counted as seen)."""

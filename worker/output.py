@@ -25,6 +25,7 @@ import jax
 from PIL import Image
 
 from diffusion.models import LoadedModel
+from diffusion.scores import phash
 from renderfarm.gallery import store_thumbnail
 from renderfarm.jobs import JobError
 from renderfarm.layout import image_name, sidecar_name
@@ -82,7 +83,19 @@ def sidecar(result: Rendered, model: LoadedModel, png: bytes, devices: list[jax.
         "timings": {"batch_seconds": round(result.batch.seconds, 4)},
         "versions": library_versions(),
         "manifest_part": manifest_part,
+        **_scores(result),
     }
+
+
+def _scores(result: Rendered) -> dict[str, Any]:
+    """The sidecar's `scores` (renderfarm/scores.py), the device's and the host's perceptual
+    hash, and `scores_missing`, when the job asked for any."""
+    if not result.spec.scores:
+        return {}
+    scores = dict(result.scores)
+    if "phash" in result.spec.scores:
+        scores["phash"] = f"{phash(result.image):016x}"
+    return {"scores": scores, **({"scores_missing": result.unscored} if result.unscored else {})}
 
 
 def store_result(storage: Storage, result: Rendered, model: LoadedModel, devices: list[jax.Device],

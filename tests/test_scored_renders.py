@@ -1,0 +1,75 @@
+"""Scores where the images render: `renderfarm render --score ...` with the tiny scoring models
+of tests/data/scores/ scores each image on the devices right after its batch, and its sidecar
+and manifest line carry what the job asked for, equal to the scorers run on the stored PNG's
+pixels; a score whose model the worker lacks is missing with the reason, and the image stays."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from PIL import Image
+
+from diffusion.scores import load_scorers, phash
+from harness.farm import STEPS
+from tests.helpers import DATA, Cli
+
+SCORES = DATA / "scores"
+MODELS = ("--safety-model", SCORES / "safety_checker", "--clip-model", SCORES / "clip",
+          "--aesthetic-model", SCORES / "aesthetic.safetensors")
+
+
+def render(cli: Cli, model: Path, out: Path, *extra: object) -> list[dict]:
+    code, output, err = cli("render", "a red lighthouse", "a blue fox", "a green owl", "--model", model,
+                            "--out", out, "--campaign", "scored", "--seed", 5, "--steps", STEPS,
+                            "--width", 64, "--height", 64, "--quiet", *extra)
+    assert code == 0, err
+    return [json.loads(line) for line in (out / "scored" / "manifest.jsonl").read_text().splitlines()]
+
+
+def test_each_image_carries_the_scores_it_asked_for(cli: Cli, tiny_sd: Path, tmp_path: Path) -> None:
+    records = render(cli, tiny_sd, tmp_path / "out", "--score", "safety", "--score", "clip",
+                     "--score", "aesthetic", "--score", "phash", *MODELS)
+    scorers = load_scorers(SCORES / "safety_checker", SCORES / "clip", SCORES / "aesthetic.safetensors")
+    for record in records:
+        sidecar = json.loads((tmp_path / "out" / "scored" / f"{record['job_id']}.json").read_text())
+        assert sidecar == record and "scores_missing" not in record
+        pixels = np.asarray(Image.open(io.BytesIO((tmp_path / "out" / "scored" /
+                                                   f"{record['job_id']}.png").read_bytes())).convert("RGB"))
+        expected = jax.jit(scorers.score_batch)(scorers.params, pixels[None],
+                                                scorers.tokenize([record["spec"]["prompt"]]))
+        scores = record["scores"]
+        assert set(scores) == {"nsfw", "safety_concepts", "clip", "aesthetic", "phash"}
+        assert scores["nsfw"] == bool(expected["nsfw"][0])
+        assert scores["clip"] == pytest.approx(float(expected["clip"][0]), abs=1e-3)
+        assert scores["aesthetic"] == pytest.approx(float(expected["aesthetic"][0]), abs=1e-3)
+        assert scores["phash"] == f"{phash(pixels):016x}"
+        flagged = {f"concept {i}": v for i, v in enumerate(np.asarray(expected["concept_scores"][0])) if v > 0}
+        assert set(flagged) <= set(scores["safety_concepts"])
+    page = (tmp_path / "out" / "scored" / "index.html").read_text()  # the gallery shows them
+    for record in records:
+        scores = record["scores"]
+        figure = page[page.index(f'<figure id="{record["job_id"]}"'):].split("</figure>")[0]
+        assert f"clip {scores['clip']:.4g} · aesthetic {scores['aesthetic']:.4g}" in figure
+        assert ('<b class="nsfw">nsfw</b>' if scores["nsfw"] else "safe") in figure
+
+
+def test_a_score_the_worker_cannot_give_is_missing_with_its_reason(cli: Cli, tiny_sd: Path, tmp_path: Path) -> None:
+    records = render(cli, tiny_sd, tmp_path / "out", "--score", "clip", "--score", "phash")
+    for record in records:
+        assert set(record["scores"]) == {"phash"}
+        assert record["scores_missing"] == {"clip": "this worker has no clip model (renderfarm worker --clip-model)"}
+    plain = render(cli, tiny_sd, tmp_path / "plain")
+    assert all("scores" not in record and "scores_missing" not in record for record in plain)
+
+
+def test_a_scoring_model_that_is_not_there_stops_the_command_before_it_renders(
+        cli: Cli, tiny_sd: Path, tmp_path: Path) -> None:
+    code, _, err = cli("render", "a fox", "--model", tiny_sd, "--out", tmp_path / "out", "--score", "clip",
+                       "--clip-model", tmp_path / "nowhere")
+    assert code == 2 and str(tmp_path / "nowhere") in err, err
+    assert not (tmp_path / "out").exists()
