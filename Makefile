@@ -46,7 +46,7 @@ system-packages:
 	@command -v redis-server >/dev/null && command -v chromium >/dev/null || \
 		{ $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $(SYSTEM_PACKAGES); }
 
-BENCHMARKS := engine_vs_direct modules tokenizer parallelism farm overlap png warmstart shapes ingest fleet flops dtype few_step window flux accelerator
+BENCHMARKS := engine_vs_direct modules tokenizer parallelism farm overlap png warmstart shapes ingest fleet flops dtype few_step window flux accelerator scores
 
 bench: $(BIN)/.bench-installed system-packages
 	set -e; for name in $(BENCHMARKS); do echo "== bench/$$name.py"; PYTHONPATH=. $(BIN)/python bench/$$name.py; done

@@ -18,6 +18,7 @@ from PIL import Image
 from safetensors.numpy import load_file, save_file
 
 from diffusion import convert
+from harness.architectures import VIT_L14
 from diffusion.nn.clip import CLIPConfig, CLIPModel
 from diffusion.scores import (
     CLIP_MEAN,
@@ -179,17 +180,6 @@ def test_one_tower_serves_the_checker_with_clips_weights(tmp_path: Path, ref: di
     want = jax.jit(alone.score_pixels)(alone.params, ref["pixels"])
     for key in ("nsfw", "concept_scores", "special_scores"):
         np.testing.assert_array_equal(got[key], want[key])
-
-
-# openai/clip-vit-large-patch14's config.json, the fields that shape the parameters.
-VIT_L14 = {
-    "model_type": "clip", "projection_dim": 768,
-    "text_config": {"hidden_size": 768, "intermediate_size": 3072, "num_attention_heads": 12,
-                    "num_hidden_layers": 12, "vocab_size": 49408, "max_position_embeddings": 77,
-                    "eos_token_id": 2, "model_type": "clip_text_model"},
-    "vision_config": {"hidden_size": 1024, "intermediate_size": 4096, "num_attention_heads": 16,
-                      "num_hidden_layers": 24, "patch_size": 14, "image_size": 224, "model_type": "clip_vision_model"},
-}
 
 
 def test_configs_of_transformers_4_read_as_transformers_reads_them() -> None:
