@@ -62,7 +62,7 @@ FLUX_FILES = ("test_flux.py", "test_flux_files.py", "test_flux_lora.py")
 # that they are built once (test_executables' store must also compile its program itself, which a
 # second process would load from the shared cache). Every other test runs wherever there is room.
 WHOLE_FILES = ("test_sharding.py", "test_executables.py", "test_tls.py", "test_faults.py", "test_tokenizer.py",
-               "test_flux_modules.py")
+               "test_flux_modules.py", "test_plan.py")
 
 
 @pytest.hookimpl(optionalhook=True)
