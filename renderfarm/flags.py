@@ -9,7 +9,7 @@ from typing import Any
 from renderfarm.jobs import DTYPES, SCHEDULERS, SCORES, SPACINGS
 
 JOB_DEFAULTS = ("model", "campaign", "steps", "guidance_scale", "negative_prompt", "width", "height",
-                "scheduler", "timestep_spacing", "karras", "dtype", "variant", "base", "loras", "scores")
+                "scheduler", "timestep_spacing", "karras", "dtype", "variant", "base", "loras", "scores", "gate", "rerolls")
 
 
 def job_flags(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +41,12 @@ def job_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--score", dest="scores", action="append", choices=SCORES,
                         help="score each image where it renders (its sidecar and the manifest carry the "
                              "scores: docs/datasets.md); repeat for more (default: none)")
+    parser.add_argument("--gate", metavar="EXPR",
+                        help="what a kept image's scores must pass, e.g. 'clip >= 28 and not nsfw' (the scores it "
+                             "reads must be asked for with --score)")
+    parser.add_argument("--rerolls", type=int, metavar="N",
+                        help="render a job again, each time with its next seed, while its image fails --gate, "
+                             "at most N times (0..16; default 0)")
     weights_flags(parser)
 
 

@@ -35,9 +35,14 @@ VARIANT_RE = re.compile(r"[a-z0-9_]{1,32}")  # a weights variant: fp16, bf16, ..
 PIXEL_FIELDS = (
     "model", "prompt", "negative_prompt", "seed", "steps", "guidance_scale",
     "width", "height", "scheduler", "dtype", "variant", "timestep_spacing", "karras", "base", "loras",
+    "gate", "rerolls",
 )
 # Pixel fields that enter the canonical JSON only when set, so ids made before they existed stay.
-OPTIONAL_PIXEL_FIELDS = ("variant", "timestep_spacing", "karras", "base", "loras")
+OPTIONAL_PIXEL_FIELDS = ("variant", "timestep_spacing", "karras", "base", "loras", "gate", "rerolls")
+MAX_REROLLS = 16
+# A re-roll's seeds: attempt k renders with seed + k x REROLL_STRIDE (mod 2**32), not seed + k,
+# which is the next image of the same row in a campaign with several images per prompt.
+REROLL_STRIDE = 65_537
 # A job without a guidance scale renders with its model family's own (diffusion/family.py) but
 # hashes as 7.5, the contract's default before families had their own: the ids of jobs made
 # then, and of campaigns resumed now, stay as they were.
@@ -104,6 +109,8 @@ class JobSpec:
     base: str | None = None  # a single-file model's pipeline (configs, tokenizers); None: its family's standard one
     loras: tuple[Lora, ...] | None = None  # merged into the weights at load, in this order
     scores: tuple[str, ...] | None = None  # of SCORES, in that order; they describe the pixels, not make them
+    gate: str | None = None  # a filter on the scores (renderfarm/scores.py) the kept image should pass
+    rerolls: int | None = None  # renders again, each with the next seed of its own, while the gate fails
 
     @functools.cached_property
     def job_id(self) -> str:
@@ -309,6 +316,7 @@ def parse_job(data: Mapping[str, Any], *, size_step: int = SIZE_STEP) -> JobSpec
         raise JobError("base", base, "must not be empty")
     loras = parse_loras(data.get("loras"))
     scores = check_scores(data["scores"]) if data.get("scores") is not None else None
+    gate, rerolls = _gate(data.get("gate"), data.get("rerolls"), scores or ())
 
     return JobSpec._validated(
         prompt=prompt,
@@ -329,4 +337,28 @@ def parse_job(data: Mapping[str, Any], *, size_step: int = SIZE_STEP) -> JobSpec
         base=base,
         loras=loras,
         scores=scores or None,
+        gate=gate,
+        rerolls=rerolls,
     )
+
+
+def reroll_seed(seed: int, attempt: int) -> int:
+    """The seed attempt `attempt` of a gated job renders with (attempt 0: the job's own)."""
+    return (seed + attempt * REROLL_STRIDE) % SEED_LIMIT
+
+
+def _gate(gate: Any, rerolls: Any, scores: tuple[str, ...]) -> tuple[str | None, int | None]:
+    """A job's gate (it must ask for the scores the gate reads) and its re-rolls (with a gate)."""
+    if rerolls is not None:
+        check_int("rerolls", rerolls, 0, MAX_REROLLS)
+        if gate is None:
+            raise JobError("rerolls", rerolls, "needs a gate: the scores an image must pass to be kept")
+    if gate is None:
+        return None, None
+    from renderfarm.scores import Expression  # the filter language; it reads this module's names
+
+    expression = Expression(gate, field="gate")
+    unasked = [score for score in expression.needs if score not in scores]
+    if unasked:
+        raise JobError("gate", gate, f"reads {', '.join(unasked)}: ask for it in scores")
+    return expression.text, rerolls or None

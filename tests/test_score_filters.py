@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +34,17 @@ def test_a_job_asks_for_scores_which_do_not_change_its_id(tmp_path: Path) -> Non
         parse_job({"prompt": "a fox", "model": "m", "seed": 1, "scores": ["beauty"]})
     (tmp_path / "rows.txt").write_text("a\nb\n")
     spec = parse_spec({"name": "s", "model": "m", "output": "out", "prompts": "rows.txt", "base_seed": 0,
-                       "scores": ["clip", "aesthetic"]}, tmp_path)
-    assert [job.scores for job in campaign_jobs(spec)] == [("clip", "aesthetic")] * 2
+                       "scores": ["clip", "aesthetic"], "gate": "clip > 20", "rerolls": 2}, tmp_path)
+    assert [(job.scores, job.gate, job.rerolls) for job in campaign_jobs(spec)] == [
+        (("clip", "aesthetic"), "clip > 20", 2)] * 2
+    gated = parse_job({"prompt": "a fox", "model": "m", "seed": 1, "scores": ["clip"], "gate": "clip > 20"})
+    assert gated.job_id != parse_job({**gated.to_dict(), "gate": None, "rerolls": None}).job_id  # keeps other pixels
+    for bad, message in (({"gate": "clip > 2"}, "gate='clip > 2': reads clip: ask for it in scores"),
+                         ({"rerolls": 2}, "rerolls=2: needs a gate"),
+                         ({"scores": ["clip"], "gate": "clip > 2", "rerolls": 17}, "rerolls=17: must be in 0..16"),
+                         ({"scores": ["clip"], "gate": "clip >"}, "gate='clip >': does not parse")):
+        with pytest.raises(JobError, match=re.escape(message)):
+            parse_job({"prompt": "a fox", "model": "m", "seed": 1, **bad})
     assert parse_spec(spec.to_dict(), tmp_path) == spec
     with pytest.raises(JobError, match="scores='x': is not a score"):
         parse_spec({"name": "s", "model": "m", "output": "out", "prompts": "rows.txt", "base_seed": 0,

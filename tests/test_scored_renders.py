@@ -16,6 +16,7 @@ from PIL import Image
 
 from diffusion.scores import load_scorers, phash
 from harness.farm import STEPS
+from renderfarm.jobs import reroll_seed
 from tests.helpers import DATA, Cli
 
 SCORES = DATA / "scores"
@@ -73,3 +74,45 @@ def test_a_scoring_model_that_is_not_there_stops_the_command_before_it_renders(
                        "--clip-model", tmp_path / "nowhere")
     assert code == 2 and str(tmp_path / "nowhere") in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_gated_job_keeps_the_first_attempt_that_passes(cli: Cli, tiny_sd: Path, tmp_path: Path) -> None:
+    """Attempt k renders with reroll_seed(seed, k); the image kept is the first whose scores
+    pass the gate (the same pixels as a plain job of that seed), or the first when none does;
+    each attempt and its scores are in the sidecar, and the job is one image."""
+    models = ("--clip-model", SCORES / "clip", "--aesthetic-model", SCORES / "aesthetic.safetensors")
+    seeds = [5, reroll_seed(5, 1), reroll_seed(5, 2)]
+    plain = {}
+    for seed in seeds:  # what each attempt's seed renders, ungated
+        code, _, err = cli("render", "a red lighthouse", "--model", tiny_sd, "--out", tmp_path / f"p{seed}",
+                           "--campaign", "c", "--seed", seed, "--steps", STEPS, "--width", 64, "--height", 64,
+                           "--score", "aesthetic", "--quiet", *models)
+        assert code == 0, err
+        [record] = [json.loads(line) for line in (tmp_path / f"p{seed}" / "c" / "manifest.jsonl").read_text().splitlines()]
+        plain[seed] = (record["scores"]["aesthetic"], (tmp_path / f"p{seed}" / "c" / f"{record['job_id']}.png"))
+    first, second = plain[seeds[0]][0], plain[seeds[1]][0]
+    assert first != second
+    below = f"aesthetic {'>' if second > first else '<'} {(first + second) / 2!r}"  # fails seed 5, passes the next
+
+    def gated(gate: str, rerolls: int) -> tuple[dict, np.ndarray]:
+        out = tmp_path / f"g{len(list(tmp_path.iterdir()))}"
+        job = json.dumps({"prompt": "a red lighthouse", "seed": 5, "gate": gate, "rerolls": rerolls,
+                          "scores": ["aesthetic"]})
+        (tmp_path / "job.jsonl").write_text(job + "\n")
+        code, _, err = cli("render", "--prompts", tmp_path / "job.jsonl", "--model", tiny_sd, "--out", out,
+                           "--campaign", "c", "--steps", STEPS, "--width", 64, "--height", 64, "--quiet", *models)
+        assert code == 0, err
+        [record] = [json.loads(line) for line in (out / "c" / "manifest.jsonl").read_text().splitlines()]
+        return record, np.asarray(Image.open(out / "c" / f"{record['job_id']}.png"))
+
+    record, pixels = gated(below, 2)
+    assert (record["gate"]["passed"], record["gate"]["kept"], record["gate"]["seed"]) == (True, 1, seeds[1])
+    assert [a["seed"] for a in record["gate"]["attempts"]] == seeds[:2]
+    assert [a["passed"] for a in record["gate"]["attempts"]] == [False, True]
+    assert record["scores"]["aesthetic"] == pytest.approx(second)
+    np.testing.assert_array_equal(pixels, np.asarray(Image.open(plain[seeds[1]][1])))
+
+    record, pixels = gated("aesthetic > 1e9", 2)  # none passes: the first is kept, all three tried
+    assert (record["gate"]["passed"], record["gate"]["kept"]) == (False, 0)
+    assert [a["seed"] for a in record["gate"]["attempts"]] == seeds
+    np.testing.assert_array_equal(pixels, np.asarray(Image.open(plain[seeds[0]][1])))

@@ -33,7 +33,8 @@ from diffusion.models import LoadedModel
 from diffusion.placement import lower_generate, make_placement
 from diffusion.schedulers import Scheduler, make
 from diffusion.scores import Scorers
-from renderfarm.jobs import JobError, JobSpec, check_sampler, sampler_label
+from renderfarm.jobs import JobError, JobSpec, check_sampler, reroll_seed, sampler_label
+from renderfarm.scores import Expression
 from worker.executables import ExecutableStore, fingerprint, private_folder
 
 
@@ -84,6 +85,22 @@ class Rendered:
     scanlines: np.ndarray | None = None  # its PNG scanlines, filtered by the devices (diffusion.generate)
     scores: dict[str, Any] = dataclasses.field(default_factory=dict)  # the device's scores it asked for
     unscored: dict[str, str] = dataclasses.field(default_factory=dict)  # score -> why it is missing
+    # a gated job's attempts (seed, scores, passed), and which one these pixels are
+    attempts: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    kept: int = 0
+
+
+@functools.cache
+def _gate(text: str) -> Expression:
+    return Expression(text, field="gate")
+
+
+def _attempt(result: Rendered, seed: int) -> dict[str, Any]:
+    """One attempt of a gated job, as its sidecar lists it: its seed, scores and whether they
+    passed. `failed` (dropped from the sidecar): they did not, and not for a missing score,
+    which no re-roll would bring."""
+    verdict = _gate(result.spec.gate)(result.scores)
+    return {"seed": seed, "scores": result.scores, "passed": verdict is True, "failed": verdict is False}
 
 
 def enable_compilation_cache(folder: str | os.PathLike | None = None, max_bytes: float = 10 * 2**30) -> Path:
@@ -403,8 +420,32 @@ class Engine:
         return out, missing
 
     def collect(self, batch: InFlight) -> list[Rendered]:
-        """Wait for a started batch; its jobs' images (padding dropped) and scores. A scorer
-        that fails costs the jobs their scores (each says why), never their images."""
+        """Wait for a started batch; its jobs' images (padding dropped) and scores, a gated
+        job's image the first of its attempts that passes its gate (the job's own seed, then
+        each re-roll's: renderfarm.jobs.reroll_seed), or its first when none passes."""
+        rendered = self._collected(batch)
+        gated = [r for r in rendered if r.spec.gate is not None]
+        for r in gated:
+            r.attempts = [_attempt(r, r.spec.seed)]
+        retry = [r for r in gated if r.attempts[-1]["failed"] and r.spec.rerolls]
+        while retry:
+            seeds = [reroll_seed(r.spec.seed, len(r.attempts)) for r in retry]
+            again = [dataclasses.replace(r.spec, seed=seed) for r, seed in zip(retry, seeds)]
+            for start in range(0, len(again), self.batch_size):
+                chunk = list(range(start, min(start + self.batch_size, len(again))))
+                for n, result in zip(chunk, self._collected(self.start(again, batch.key, chunk))):
+                    r = retry[n]
+                    r.attempts.append(_attempt(result, seeds[n]))
+                    if r.attempts[-1]["passed"]:
+                        r.image, r.scanlines, r.scores, r.unscored = (result.image, result.scanlines, result.scores,
+                                                                      result.unscored)
+                        r.kept = len(r.attempts) - 1
+            retry = [r for r in retry if r.attempts[-1]["failed"] and len(r.attempts) <= r.spec.rerolls]
+        return rendered
+
+    def _collected(self, batch: InFlight) -> list[Rendered]:
+        """A started batch's images (padding dropped) and scores. A scorer that fails costs
+        the jobs their scores (each says why), never their images."""
         pixels, scanlines = np.asarray(batch.output.images), np.asarray(batch.output.scanlines)
         scores: dict[str, np.ndarray] | str | None = None
         if batch.scores is not None:

@@ -89,13 +89,18 @@ def sidecar(result: Rendered, model: LoadedModel, png: bytes, devices: list[jax.
 
 def _scores(result: Rendered) -> dict[str, Any]:
     """The sidecar's `scores` (renderfarm/scores.py), the device's and the host's perceptual
-    hash, and `scores_missing`, when the job asked for any."""
+    hash, and `scores_missing`, when the job asked for any; a gated job's `gate`: whether the
+    kept image passed, which attempt it is and its seed (what reproduces it), every attempt."""
     if not result.spec.scores:
         return {}
     scores = dict(result.scores)
     if "phash" in result.spec.scores:
         scores["phash"] = f"{phash(result.image):016x}"
-    return {"scores": scores, **({"scores_missing": result.unscored} if result.unscored else {})}
+    gate = {"gate": {"expression": result.spec.gate, "passed": result.attempts[result.kept]["passed"],
+                     "kept": result.kept, "seed": result.attempts[result.kept]["seed"],
+                     "attempts": [{k: v for k, v in a.items() if k != "failed"} for a in result.attempts]}} \
+        if result.attempts else {}
+    return {"scores": scores, **({"scores_missing": result.unscored} if result.unscored else {}), **gate}
 
 
 def store_result(storage: Storage, result: Rendered, model: LoadedModel, devices: list[jax.Device],
