@@ -46,7 +46,8 @@ from renderfarm.storage import open_storage
 
 SHOWN_BAD_ROWS = 10  # bad rows a run keeps to show; it always counts them all
 JOB_FIELDS = ("negative_prompt", "steps", "guidance_scale", "width", "height", "scheduler", "timestep_spacing",
-              "karras", "dtype", "variant", "base", "loras", "scores", "gate", "rerolls", "priority")
+              "karras", "dtype", "variant", "base", "loras", "scores", "gate", "rerolls", "on_nsfw",
+              "priority")
 # A compiled program the jobs need: model, width, height, steps, sampler (sampler_label), guided
 # (classifier-free guidance: scale > 1)
 NeededProgram = tuple[str, int | None, int | None, int, str, bool]
@@ -95,6 +96,7 @@ class CampaignSpec:
     scores: tuple[str, ...] | None = JobSpec.scores  # of safety, clip, aesthetic, phash (renderfarm/scores.py)
     gate: str | None = JobSpec.gate  # what a kept image's scores pass, e.g. "clip >= 28 and not nsfw"
     rerolls: int | None = JobSpec.rerolls  # renders again while the gate fails, at most this often
+    on_nsfw: str | None = JobSpec.on_nsfw  # keep, black or drop an image the safety checker flags
     priority: int | None = JobSpec.priority
     schedule: str | None = None  # cron expression, for `renderfarm schedule`
     window: int | None = None  # at most this many jobs queued or running (producer/window.py)

@@ -68,6 +68,7 @@ class ExportReport:
     filtered: int = 0  # records --where left out (their scores failed it)
     unscored: int = 0  # of those, records without a score it reads
     near_duplicates: int = 0  # records --dedup left out
+    dropped: int = 0  # records of jobs whose flagged image was not stored (on_nsfw: drop)
 
     def summary(self) -> str:
         text = (f"exported {self.images} images of {self.campaign} as {self.format}: "
@@ -83,6 +84,8 @@ class ExportReport:
                 f" ({self.unscored} without a score it reads)" if self.unscored else "")
         if self.near_duplicates:
             text += f"; {self.near_duplicates} near-duplicates left out by --dedup"
+        if self.dropped:
+            text += f"; {self.dropped} flagged images were not stored (on_nsfw: drop)"
         return text
 
 
@@ -297,11 +300,14 @@ def _selected(records: Records, where: Expression | None, dedup: int | None,
     dropped: set[str] = set()
     if dedup is not None:  # a first pass: the kept images' hashes in job order
         ranked = sorted(((r.get("spec") or {}).get("seed", 0), r["job_id"], (r.get("scores") or {}).get("phash"))
-                        for r in records if passes(r))
+                        for r in records if not r.get("dropped") and passes(r))
         report.filtered = report.unscored = 0  # counted again below
         dropped = {job_id for (_, job_id, _), gone in
                    zip(ranked, near_duplicates([h for _, _, h in ranked], dedup)) if gone}
     for record in records:
+        if record.get("dropped"):  # its image was not stored (the job's on_nsfw: drop)
+            report.dropped += 1
+            continue
         if not passes(record):
             continue
         if record["job_id"] in dropped:

@@ -310,7 +310,7 @@ def submit(prompts: Iterable[str] | str = (), *, model: str, campaign: str = "lo
            scheduler: str | None = None, timestep_spacing: str | None = None, karras: bool | None = None,
            dtype: str = "float32", variant: str | None = None, base: str | None = None,
            loras: list[str] | None = None, scores: list[str] | None = None, gate: str | None = None,
-           rerolls: int | None = None, priority: int | None = None,
+           rerolls: int | None = None, on_nsfw: str | None = None, priority: int | None = None,
            broker: str | None = None, wait: bool = False, timeout: float | None = None,
            progress: bool = True) -> Submission:
     """Enqueue jobs for the farm, as `renderfarm submit` does: the given prompts, then the
@@ -322,7 +322,7 @@ def submit(prompts: Iterable[str] | str = (), *, model: str, campaign: str = "lo
                 "negative_prompt": negative_prompt, "width": width, "height": height,
                 "scheduler": scheduler, "timestep_spacing": timestep_spacing, "karras": karras, "dtype": dtype,
                 "variant": variant, "base": base, "loras": loras, "scores": scores, "gate": gate,
-                "rerolls": rerolls, "priority": priority}
+                "rerolls": rerolls, "on_nsfw": on_nsfw, "priority": priority}
     submission = submit_jobs(lambda: build_jobs(prompt_rows(given, prompts_file), defaults, seed),
                              Settings.from_env(broker_url=broker))
     if wait:

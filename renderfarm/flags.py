@@ -6,10 +6,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from renderfarm.jobs import DTYPES, SCHEDULERS, SCORES, SPACINGS
+from renderfarm.jobs import DTYPES, ON_NSFW, SCHEDULERS, SCORES, SPACINGS
 
 JOB_DEFAULTS = ("model", "campaign", "steps", "guidance_scale", "negative_prompt", "width", "height",
-                "scheduler", "timestep_spacing", "karras", "dtype", "variant", "base", "loras", "scores", "gate", "rerolls")
+                "scheduler", "timestep_spacing", "karras", "dtype", "variant", "base", "loras", "scores", "gate",
+                "rerolls", "on_nsfw")
 
 
 def job_flags(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +45,10 @@ def job_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gate", metavar="EXPR",
                         help="what a kept image's scores must pass, e.g. 'clip >= 28 and not nsfw' (the scores it "
                              "reads must be asked for with --score)")
+    parser.add_argument("--on-nsfw", dest="on_nsfw", choices=ON_NSFW,
+                        help="an image the safety checker flags (with --score safety): keep it (its sidecar "
+                             "says nsfw), store it black as diffusers does, or drop it (its sidecar alone is "
+                             "stored) (default: keep)")
     parser.add_argument("--rerolls", type=int, metavar="N",
                         help="render a job again, each time with its next seed, while its image fails --gate, "
                              "at most N times (0..16; default 0)")

@@ -231,6 +231,8 @@ class Seen:
         except FileNotFoundError:
             raise no_such_campaign(storage, campaign) from None
         for record in Records(lines, f"{storage.url(campaign)} manifest"):
+            if record.get("dropped"):  # its image was not stored (the job's on_nsfw: drop)
+                continue
             self.newest.append(record)
             self.total += 1
 

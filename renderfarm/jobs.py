@@ -35,10 +35,11 @@ VARIANT_RE = re.compile(r"[a-z0-9_]{1,32}")  # a weights variant: fp16, bf16, ..
 PIXEL_FIELDS = (
     "model", "prompt", "negative_prompt", "seed", "steps", "guidance_scale",
     "width", "height", "scheduler", "dtype", "variant", "timestep_spacing", "karras", "base", "loras",
-    "gate", "rerolls",
+    "gate", "rerolls", "on_nsfw",
 )
 # Pixel fields that enter the canonical JSON only when set, so ids made before they existed stay.
-OPTIONAL_PIXEL_FIELDS = ("variant", "timestep_spacing", "karras", "base", "loras", "gate", "rerolls")
+OPTIONAL_PIXEL_FIELDS = ("variant", "timestep_spacing", "karras", "base", "loras", "gate", "rerolls", "on_nsfw")
+ON_NSFW = ("keep", "black", "drop")  # an image the safety checker flags: stored, stored black, not stored
 MAX_REROLLS = 16
 # A re-roll's seeds: attempt k renders with seed + k x REROLL_STRIDE (mod 2**32), not seed + k,
 # which is the next image of the same row in a campaign with several images per prompt.
@@ -111,6 +112,7 @@ class JobSpec:
     scores: tuple[str, ...] | None = None  # of SCORES, in that order; they describe the pixels, not make them
     gate: str | None = None  # a filter on the scores (renderfarm/scores.py) the kept image should pass
     rerolls: int | None = None  # renders again, each with the next seed of its own, while the gate fails
+    on_nsfw: str | None = None  # of ON_NSFW; None: keep (the image stored, its sidecar says nsfw)
 
     @functools.cached_property
     def job_id(self) -> str:
@@ -317,6 +319,9 @@ def parse_job(data: Mapping[str, Any], *, size_step: int = SIZE_STEP) -> JobSpec
     loras = parse_loras(data.get("loras"))
     scores = check_scores(data["scores"]) if data.get("scores") is not None else None
     gate, rerolls = _gate(data.get("gate"), data.get("rerolls"), scores or ())
+    on_nsfw = _one_of("on_nsfw", data.get("on_nsfw"), ON_NSFW, optional=True)
+    if on_nsfw not in (None, "keep") and "safety" not in (scores or ()):
+        raise JobError("on_nsfw", on_nsfw, "needs the safety score: ask for it in scores")
 
     return JobSpec._validated(
         prompt=prompt,
@@ -339,6 +344,7 @@ def parse_job(data: Mapping[str, Any], *, size_step: int = SIZE_STEP) -> JobSpec
         scores=scores or None,
         gate=gate,
         rerolls=rerolls,
+        on_nsfw=None if on_nsfw == "keep" else on_nsfw,
     )
 
 

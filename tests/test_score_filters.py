@@ -42,7 +42,9 @@ def test_a_job_asks_for_scores_which_do_not_change_its_id(tmp_path: Path) -> Non
     for bad, message in (({"gate": "clip > 2"}, "gate='clip > 2': reads clip: ask for it in scores"),
                          ({"rerolls": 2}, "rerolls=2: needs a gate"),
                          ({"scores": ["clip"], "gate": "clip > 2", "rerolls": 17}, "rerolls=17: must be in 0..16"),
-                         ({"scores": ["clip"], "gate": "clip >"}, "gate='clip >': does not parse")):
+                         ({"scores": ["clip"], "gate": "clip >"}, "gate='clip >': does not parse"),
+                         ({"on_nsfw": "drop"}, "on_nsfw='drop': needs the safety score"),
+                         ({"scores": ["safety"], "on_nsfw": "blur"}, "on_nsfw='blur': must be one of keep, black, drop")):
         with pytest.raises(JobError, match=re.escape(message)):
             parse_job({"prompt": "a fox", "model": "m", "seed": 1, **bad})
     assert parse_spec(spec.to_dict(), tmp_path) == spec
@@ -145,6 +147,13 @@ def test_export_keeps_what_passes_where_and_the_first_of_near_duplicates(
     by_job = {[r["job_id"] for r in records].index(row["job_id"]): row for row in rows}
     for n, scores in enumerate(SCORED):  # each score a column of its own, empty where not scored
         assert {k: by_job[n][k] for k in SCORED[0]} == (scores or dict.fromkeys(SCORED[0])), n
+
+    lines[4] = json.dumps({**records[4], "dropped": "nsfw", "png_sha256": None})  # on_nsfw: drop
+    (tmp_path / "renders" / "scored" / f"{records[4]['job_id']}.png").unlink()
+    (tmp_path / "renders" / "scored" / "manifest.jsonl").write_text("\n".join(lines) + "\n")
+    capsys.readouterr()
+    assert export("kept") == {0, 1, 2, 3}
+    assert "1 flagged images were not stored (on_nsfw: drop)" in capsys.readouterr().out
 
     code = main(["export", "scored", "--from", str(tmp_path / "renders"), "--format", "parquet",
                  "--to", str(tmp_path / "bad"), "--where", "open('x')"])

@@ -116,3 +116,28 @@ def test_a_gated_job_keeps_the_first_attempt_that_passes(cli: Cli, tiny_sd: Path
     assert (record["gate"]["passed"], record["gate"]["kept"]) == (False, 0)
     assert [a["seed"] for a in record["gate"]["attempts"]] == seeds
     np.testing.assert_array_equal(pixels, np.asarray(Image.open(plain[seeds[0]][1])))
+
+
+@pytest.mark.parametrize("policy", ["black", "drop"])
+def test_a_flagged_image_is_blacked_out_or_not_stored_as_its_job_asks(cli: Cli, tiny_sd: Path, tmp_path: Path,
+                                                                      policy: str) -> None:
+    """The tiny checker flags some images and not others: a flagged one is stored black (as
+    diffusers' pipelines return it) or not at all (its sidecar and manifest line stay, so the
+    job is done and a run again does not redo it); the others are stored as rendered."""
+    base = render(cli, tiny_sd, tmp_path / "kept", "--score", "safety", *MODELS)
+    assert {r["scores"]["nsfw"] for r in base} == {True, False}, "the tiny checker must flag some, not all"
+    records = render(cli, tiny_sd, tmp_path / "out", "--score", "safety", "--on-nsfw", policy, *MODELS)
+    folder = tmp_path / "out" / "scored"
+    for record in records:
+        png = folder / f"{record['job_id']}.png"
+        kept = tmp_path / "kept" / "scored" / f"{base[[r['spec']['prompt'] for r in base].index(record['spec']['prompt'])]['job_id']}.png"
+        if not record["scores"]["nsfw"]:
+            np.testing.assert_array_equal(np.asarray(Image.open(png)), np.asarray(Image.open(kept)))
+        elif policy == "black":
+            assert record["on_nsfw"] == "black" and not np.asarray(Image.open(png)).any()
+        else:
+            assert (record["dropped"], record["png_sha256"]) == ("nsfw", None) and not png.exists()
+            assert (folder / f"{record['job_id']}.json").exists()
+    page = (folder / "index.html").read_text()
+    shown = sum(f'<figure id="{r["job_id"]}"' in page for r in records)
+    assert shown == (len(records) if policy == "black" else sum(not r["scores"]["nsfw"] for r in records))

@@ -22,6 +22,7 @@ from importlib import metadata
 from typing import Any
 
 import jax
+import numpy as np
 from PIL import Image
 
 from diffusion.models import LoadedModel
@@ -106,13 +107,22 @@ def _scores(result: Rendered) -> dict[str, Any]:
 def store_result(storage: Storage, result: Rendered, model: LoadedModel, devices: list[jax.Device],
                  manifest_part: str) -> tuple[dict[str, Any], str]:
     """Store one job's PNG and gallery thumbnail, then its sidecar (so a sidecar always
-    has its image); returns the sidecar and its JSON text, which is its manifest line."""
+    has its image, unless it says `dropped`: the job's `on_nsfw: drop` and a flagged image);
+    returns the sidecar and its JSON text, which is its manifest line."""
+    flagged = result.scores.get("nsfw") is True and result.spec.on_nsfw
+    if flagged == "black":  # as diffusers' pipelines black out what their checker flags
+        result = dataclasses.replace(result, image=np.zeros_like(result.image), scanlines=None)
     png = result_png(result)
     record = sidecar(result, model, png, devices, manifest_part)
-    line = json.dumps(record)
     campaign, job_id = result.spec.campaign, result.spec.job_id
-    storage.put(image_name(campaign, job_id), png, "image/png")
-    store_thumbnail(storage, campaign, job_id, Image.fromarray(result.image))
+    if flagged == "drop":  # the sidecar alone: the job is done, and a run again does not redo it
+        record.update(png_sha256=None, dropped="nsfw")
+    else:
+        storage.put(image_name(campaign, job_id), png, "image/png")
+        store_thumbnail(storage, campaign, job_id, Image.fromarray(result.image))
+    if flagged:
+        record["on_nsfw"] = flagged
+    line = json.dumps(record)
     storage.put(sidecar_name(campaign, job_id), line.encode(), "application/json")
     return record, line
 
