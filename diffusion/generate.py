@@ -73,8 +73,8 @@ def denoise(unet: UNet2DConditionModel, unet_params: Any, scheduler: Scheduler, 
             latent_shape: tuple[int, int, int], inputs: Inputs, context: jax.Array,
             added: Mapping[str, jax.Array] | None) -> jax.Array:
     """The sampling loop of diffusers' PyTorch UNet pipelines on the contract's latents.
-    Guided, `context` (and `added`) hold the unconditional half first, then the conditional;
-    unguided, they hold the conditional input alone."""
+    Guided, `context` (and `added`) hold each job's unconditional row and then its conditional
+    one (`guided_rows`); unguided, the conditional input alone."""
     def predict(model_input: jax.Array, t: jax.Array) -> jax.Array:
         return unet.apply({"params": unet_params}, model_input, t, context, added)
 
@@ -85,22 +85,22 @@ def sample(predict: Callable[[jax.Array, jax.Array], jax.Array], scheduler: Sche
            latents: jax.Array, inputs: Any) -> jax.Array:
     """The loop every family shares, from `latents` (B, ...) with the denoiser `predict`
     (model input, timesteps (B,)) -> prediction; `inputs` gives the jobs' `keys` and
-    `guidance`. Guided, each step predicts on the latents twice over (unconditional half
-    first) and each job has its own scale. Latents and the scheduler's state stay float32
+    `guidance`. Guided, each step predicts on each job's latents twice (`guided_rows`) and
+    each job has its own scale. Latents and the scheduler's state stay float32
     whatever the denoiser computes in."""
     state = scheduler.set_timesteps(static.steps, latents.shape)  # host side: constants
     latents = latents * state.init_noise_sigma
-    halves = 2 if static.guided else 1
     guidance = inputs.guidance.astype(jnp.float32).reshape(-1, *[1] * (latents.ndim - 1))
 
     def body(i: jax.Array, carry: tuple[jax.Array, Any]) -> tuple[jax.Array, Any]:
         latents, state = carry
-        model_input = scheduler.scale_model_input(state, jnp.concatenate([latents] * halves), i)
+        model_input = scheduler.scale_model_input(state, guided_rows(latents, latents) if static.guided else latents, i)
         t = jnp.broadcast_to(state.timesteps[i], model_input.shape[:1])
         with tensor_parallel():  # the denoiser is the network a family splits
             prediction = predict(model_input, t).astype(jnp.float32)
         if static.guided:
-            uncond, text = jnp.split(prediction, 2)
+            pairs = prediction.reshape(latents.shape[0], 2, *latents.shape[1:])
+            uncond, text = pairs[:, 0], pairs[:, 1]
             prediction = uncond + guidance * (text - uncond)
         if scheduler.stochastic:
             return scheduler.step(state, prediction, i, latents, step_noise(inputs.keys, i, latents.shape[1:]))
@@ -108,6 +108,13 @@ def sample(predict: Callable[[jax.Array, jax.Array], jax.Array], scheduler: Sche
 
     latents, _ = jax.lax.fori_loop(0, state.timesteps.shape[0], body, (latents, state))
     return latents
+
+
+def guided_rows(unconditional: jax.Array, conditional: jax.Array) -> jax.Array:
+    """A guided denoiser call's input rows: each job's unconditional row, then its conditional
+    one (2B rows). A job's pair stays together, so where the batch is split over devices each
+    device holds both rows of its jobs and nothing moves between devices to pair them."""
+    return jnp.stack([unconditional, conditional], axis=1).reshape(-1, *conditional.shape[1:])
 
 
 def denoise_and_decode(nets: Networks, scheduler: Scheduler, static: Static, params: Any, inputs: Inputs,

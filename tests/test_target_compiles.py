@@ -44,7 +44,8 @@ def _configs(kind: str) -> dict[str, dict[str, Any]]:
     if kind == "flux":
         return {"vae": vae, "transformer": {"num_attention_heads": 8}}
     return {"vae": vae, "unet": {"block_out_channels": [64], "attention_head_dim": [8],
-                                 "down_block_types": ["CrossAttnDownBlock2D"], "up_block_types": ["CrossAttnUpBlock2D"]}}
+                                 "down_block_types": ["CrossAttnDownBlock2D"],
+                                 "up_block_types": ["CrossAttnUpBlock2D"]}}
 
 
 @pytest.fixture(scope="module")

@@ -6,11 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from diffusion.families import latent_unet
 from diffusion.family import Component, Family, Networks
-from diffusion.generate import Inputs, Output, Static, denoise_and_decode
+from diffusion.generate import Inputs, Output, Static, denoise_and_decode, guided_rows
 from diffusion.nn.clip import CLIPTextConfig, CLIPTextModel
 from diffusion.nn.unet import UNet2DConditionModel, UNetConfig
 from diffusion.nn.vae import AutoencoderKL, VAEConfig
@@ -27,7 +26,7 @@ def generate(nets: Networks, scheduler: Scheduler, static: Static, params: Any, 
 
     context = encode(inputs.prompt_ids)
     if static.guided:
-        context = jnp.concatenate([encode(inputs.negative_ids), context])
+        context = guided_rows(encode(inputs.negative_ids), context)
     return denoise_and_decode(nets, scheduler, static, params, inputs, context, None)
 
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from diffusion.families import latent_unet
 from diffusion.family import Component, Family, Networks
-from diffusion.generate import Inputs, Output, Static, denoise_and_decode
+from diffusion.generate import Inputs, Output, Static, denoise_and_decode, guided_rows
 from diffusion.nn.clip import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 from diffusion.nn.unet import UNet2DConditionModel, UNetConfig
 from diffusion.nn.vae import AutoencoderKL, VAEConfig
@@ -42,9 +42,9 @@ def generate(nets: Networks, scheduler: Scheduler, static: Static, params: Any, 
             keep = inputs.has_negative
             negative = jnp.where(keep[:, None, None], negative, 0)
             negative_pooled = jnp.where(keep[:, None], negative_pooled, 0)
-        context = jnp.concatenate([negative, context])
-        pooled = jnp.concatenate([negative_pooled, pooled])
-        time_ids = jnp.concatenate([time_ids, time_ids])
+        context = guided_rows(negative, context)
+        pooled = guided_rows(negative_pooled, pooled)
+        time_ids = guided_rows(time_ids, time_ids)
     added = {"text_embeds": pooled, "time_ids": time_ids}
     return denoise_and_decode(nets, scheduler, static, params, inputs, context, added)
 
