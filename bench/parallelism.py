@@ -48,7 +48,7 @@ def main() -> None:
     n = len(engine.devices)
     specs = [JobSpec(prompt=f"a lighthouse {i}", model=model.ref, seed=i, steps=args.steps) for i in range(n)]
     key = engine.check(specs[0])
-    inputs, _ = engine._inputs(specs)
+    inputs, _ = engine._inputs(key, specs)
     params = engine._params
     fn = partial(model.family.generate, model.networks, engine.scheduler(key),
                  Static(key.height, key.width, key.steps, key.guided))

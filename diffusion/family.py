@@ -100,3 +100,5 @@ class Family:
     # component -> how its weights split over a mesh's model axis (diffusion.sharding); the
     # components not named (VAE, text encoders) stay whole on every device
     tensor_parallel: Mapping[str, TensorParallel] = dataclasses.field(default_factory=dict)
+    # whether its `generate` takes image-to-image batches (Static.image, generate.ImageInputs)
+    image_to_image: bool = False

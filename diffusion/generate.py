@@ -40,6 +40,29 @@ class Inputs(NamedTuple):
     guidance: jax.Array  # (B,) float32
 
 
+class ImageInputs(NamedTuple):
+    """An image-to-image batch: the family's text inputs, each job's init image and the loop
+    index its denoising starts at (diffusers' `get_timesteps`: steps - int(steps * strength)).
+    The start is an input, not a static, so jobs of any strength share one program."""
+
+    text: Inputs
+    pixels: jax.Array  # (B, 3, H, W) float32 in [-1, 1], VaeImageProcessor's preprocess
+    start: jax.Array  # (B,) int32
+
+    @property
+    def keys(self) -> jax.Array:
+        return self.text.keys
+
+    @property
+    def guidance(self) -> jax.Array:
+        return self.text.guidance
+
+
+# The fold of a job's key its VAE latent sample draws from: past any step index the stochastic
+# schedulers fold in (at most 500 steps), so no image job's draws repeat one another.
+LATENT_SAMPLE_FOLD = 2**20
+
+
 class Output(NamedTuple):
     """What a program returns for a batch."""
 
@@ -54,6 +77,7 @@ class Static(NamedTuple):
     width: int
     steps: int
     guided: bool  # classifier-free guidance: every job's scale > 1
+    image: bool = False  # image to image: the inputs are ImageInputs
 
 
 def initial_latents(keys: jax.Array, shape: tuple[int, int, int]) -> jax.Array:
@@ -70,26 +94,39 @@ def step_noise(keys: jax.Array, i: jax.Array, shape: tuple[int, int, int]) -> ja
 
 
 def denoise(unet: UNet2DConditionModel, unet_params: Any, scheduler: Scheduler, static: Static,
-            latent_shape: tuple[int, int, int], inputs: Inputs, context: jax.Array,
-            added: Mapping[str, jax.Array] | None) -> jax.Array:
-    """The sampling loop of diffusers' PyTorch UNet pipelines on the contract's latents.
+            latent_shape: tuple[int, int, int], inputs: Inputs | ImageInputs, context: jax.Array,
+            added: Mapping[str, jax.Array] | None, image_latents: jax.Array | None = None) -> jax.Array:
+    """The sampling loop of diffusers' PyTorch UNet pipelines on the contract's latents, or
+    (image to image) from `image_latents` noised to each job's start.
     Guided, `context` (and `added`) hold each job's unconditional row and then its conditional
     one (`guided_rows`); unguided, the conditional input alone."""
     def predict(model_input: jax.Array, t: jax.Array) -> jax.Array:
         return unet.apply({"params": unet_params}, model_input, t, context, added)
 
-    return sample(predict, scheduler, static, initial_latents(inputs.keys, latent_shape), inputs)
+    if image_latents is None:
+        return sample(predict, scheduler, static, initial_latents(inputs.keys, latent_shape), inputs)
+    return sample(predict, scheduler, static, image_latents, inputs, inputs.start)
 
 
 def sample(predict: Callable[[jax.Array, jax.Array], jax.Array], scheduler: Scheduler, static: Static,
-           latents: jax.Array, inputs: Any) -> jax.Array:
+           latents: jax.Array, inputs: Any, start: jax.Array | None = None) -> jax.Array:
     """The loop every family shares, from `latents` (B, ...) with the denoiser `predict`
     (model input, timesteps (B,)) -> prediction; `inputs` gives the jobs' `keys` and
     `guidance`. Guided, each step predicts on each job's latents twice (`guided_rows`) and
     each job has its own scale. Latents and the scheduler's state stay float32
-    whatever the denoiser computes in."""
+    whatever the denoiser computes in.
+
+    With `start` ((B,) loop indices), `latents` are each job's image latents, noised here to
+    its first timestep (the scheduler's `add_noise`, the contract's latents as the noise); the
+    loop runs from the batch's earliest start and a job's latents change only from its own.
+    Only schedulers without history can do this (their step i depends on i alone)."""
     state = scheduler.set_timesteps(static.steps, latents.shape)  # host side: constants
-    latents = latents * state.init_noise_sigma
+    first: jax.Array | int = 0
+    if start is None:
+        latents = latents * state.init_noise_sigma
+    else:
+        latents = scheduler.add_noise(state, latents, initial_latents(inputs.keys, latents.shape[1:]), start)
+        first = jnp.min(start)
     guidance = inputs.guidance.astype(jnp.float32).reshape(-1, *[1] * (latents.ndim - 1))
 
     def body(i: jax.Array, carry: tuple[jax.Array, Any]) -> tuple[jax.Array, Any]:
@@ -104,9 +141,12 @@ def sample(predict: Callable[[jax.Array, jax.Array], jax.Array], scheduler: Sche
             prediction = uncond + guidance * (text - uncond)
         if scheduler.stochastic:
             return scheduler.step(state, prediction, i, latents, step_noise(inputs.keys, i, latents.shape[1:]))
-        return scheduler.step(state, prediction, i, latents)
+        stepped, state = scheduler.step(state, prediction, i, latents)
+        if start is not None:  # a job not started yet keeps its noised latents
+            stepped = jnp.where((i >= start).reshape(-1, *[1] * (latents.ndim - 1)), stepped, latents)
+        return stepped, state
 
-    latents, _ = jax.lax.fori_loop(0, state.timesteps.shape[0], body, (latents, state))
+    latents, _ = jax.lax.fori_loop(first, state.timesteps.shape[0], body, (latents, state))
     return latents
 
 
@@ -123,9 +163,21 @@ def denoise_and_decode(nets: Networks, scheduler: Scheduler, static: Static, par
     latents (the UNet's channels, the size over the VAE's scale factor), then the VAE."""
     unet, vae = nets["unet"], nets["vae"]
     f = vae.config.scale_factor
+    image = encode(vae, params["vae"], inputs.pixels, inputs.keys) if static.image else None
     latents = denoise(unet, params["unet"], scheduler, static,
-                      (unet.config.in_channels, static.height // f, static.width // f), inputs, context, added)
+                      (unet.config.in_channels, static.height // f, static.width // f), inputs, context, added, image)
     return decode(vae, params["vae"], latents)
+
+
+def encode(vae: AutoencoderKL, vae_params: Any, pixels: jax.Array, keys: jax.Array) -> jax.Array:
+    """Init images to scaled latents as diffusers' img2img pipelines make them: a sample of
+    the VAE's latent distribution, mean + std * normal(fold_in(PRNGKey(seed),
+    LATENT_SAMPLE_FOLD)) per job, times scaling_factor."""
+    mean, logvar = vae.apply({"params": vae_params}, pixels, method=vae.encode)
+    mean, logvar = mean.astype(jnp.float32), logvar.astype(jnp.float32)
+    folded = jax.vmap(lambda key: jax.random.fold_in(key, LATENT_SAMPLE_FOLD))(keys)
+    noise = initial_latents(folded, mean.shape[1:])
+    return vae.config.scaling_factor * (mean + jnp.exp(0.5 * logvar) * noise)
 
 
 def decode(vae: AutoencoderKL, vae_params: Any, latents: jax.Array, shift: float = 0.0) -> Output:

@@ -46,10 +46,11 @@ from tqdm import tqdm
 from diffusion.digests import file_sha256
 from diffusion.families import detect
 from diffusion.family import Family, Networks, Tokenizer
+from diffusion.generate import ImageInputs
 from diffusion.lora import Patch, read_lora
 from diffusion.nn import parameter_shapes
-from diffusion.schedulers import CLASS_NAMES
 from diffusion.placement import Placement, make_placement
+from diffusion.schedulers import CLASS_NAMES
 from diffusion.sharding import choose_model_parallel
 from diffusion.single_file import check_family, read_single_file
 from diffusion.targets import usable_share
@@ -108,10 +109,15 @@ class LoadedModel:
         """The guidance a job renders with: its own, or else its family's default."""
         return self.family.default_guidance if spec.guidance_scale is None else spec.guidance_scale
 
-    def abstract_inputs(self, batch: int, sharding: jax.sharding.Sharding | None = None) -> Any:
-        """The shapes and dtypes of `inputs` for `batch` jobs (what a program is compiled for)."""
-        return jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-                            self.family.abstract_inputs(self.tokenizers, batch))
+    def abstract_inputs(self, batch: int, sharding: jax.sharding.Sharding | None = None,
+                        image: tuple[int, int] | None = None) -> Any:
+        """The shapes and dtypes of `inputs` for `batch` jobs (what a program is compiled for);
+        with `image` (height, width), an image-to-image batch's (generate.ImageInputs)."""
+        inputs = self.family.abstract_inputs(self.tokenizers, batch)
+        if image is not None:
+            inputs = ImageInputs(inputs, jax.ShapeDtypeStruct((batch, 3, *image), jnp.float32),
+                                 jax.ShapeDtypeStruct((batch,), jnp.int32))
+        return jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), inputs)
 
     @property
     def size_step(self) -> int:

@@ -35,10 +35,11 @@ VARIANT_RE = re.compile(r"[a-z0-9_]{1,32}")  # a weights variant: fp16, bf16, ..
 PIXEL_FIELDS = (
     "model", "prompt", "negative_prompt", "seed", "steps", "guidance_scale",
     "width", "height", "scheduler", "dtype", "variant", "timestep_spacing", "karras", "base", "loras",
-    "gate", "rerolls", "on_nsfw",
+    "gate", "rerolls", "on_nsfw", "init_image_sha256", "strength",
 )
 # Pixel fields that enter the canonical JSON only when set, so ids made before they existed stay.
-OPTIONAL_PIXEL_FIELDS = ("variant", "timestep_spacing", "karras", "base", "loras", "gate", "rerolls", "on_nsfw")
+OPTIONAL_PIXEL_FIELDS = ("variant", "timestep_spacing", "karras", "base", "loras", "gate", "rerolls", "on_nsfw",
+                         "init_image_sha256", "strength")
 ON_NSFW = ("keep", "black", "drop")  # an image the safety checker flags: stored, stored black, not stored
 MAX_REROLLS = 16
 # A re-roll's seeds: attempt k renders with seed + k x REROLL_STRIDE (mod 2**32), not seed + k,
@@ -49,6 +50,12 @@ REROLL_STRIDE = 65_537
 # then, and of campaigns resumed now, stay as they were.
 ID_GUIDANCE = 7.5
 MAX_LORAS = 16
+# Image to image: the schedulers whose step i depends on i alone (no history), so jobs of any
+# strength share a program (diffusion/generate.py); the strength of a job that names none
+# (diffusers' StableDiffusionImg2ImgPipeline's default).
+IMAGE_SCHEDULERS = ("ddim", "euler")
+DEFAULT_STRENGTH = 0.8
+SHA256_RE = re.compile(r"[0-9a-f]{64}")
 Lora = tuple[str, float]  # (reference, scale)
 # The canonical JSON a job id hashes: sorted keys, no spaces, UTF-8 as is. One encoder for
 # all jobs (json.dumps with options builds one per call, a third of a job id's cost).
@@ -113,6 +120,9 @@ class JobSpec:
     gate: str | None = None  # a filter on the scores (renderfarm/scores.py) the kept image should pass
     rerolls: int | None = None  # renders again, each with the next seed of its own, while the gate fails
     on_nsfw: str | None = None  # of ON_NSFW; None: keep (the image stored, its sidecar says nsfw)
+    init_image: str | None = None  # image to image: a path or storage URL the workers can read
+    init_image_sha256: str | None = None  # its content's digest, filled by the producer: the id follows the pixels
+    strength: float | None = None  # with init_image: how much of the schedule runs, (0, 1]
 
     @functools.cached_property
     def job_id(self) -> str:
@@ -322,13 +332,15 @@ def parse_job(data: Mapping[str, Any], *, size_step: int = SIZE_STEP) -> JobSpec
     on_nsfw = _one_of("on_nsfw", data.get("on_nsfw"), ON_NSFW, optional=True)
     if on_nsfw not in (None, "keep") and "safety" not in (scores or ()):
         raise JobError("on_nsfw", on_nsfw, "needs the safety score: ask for it in scores")
+    steps = check_int("steps", data.get("steps", 25), 1, 500)
+    init_image, digest, strength = _image(data, steps, scheduler)
 
     return JobSpec._validated(
         prompt=prompt,
         model=model,
         seed=check_int("seed", data["seed"], 0, SEED_LIMIT - 1),
         negative_prompt=negative,
-        steps=check_int("steps", data.get("steps", 25), 1, 500),
+        steps=steps,
         guidance_scale=guidance,
         width=_size("width", data.get("width"), size_step),
         height=_size("height", data.get("height"), size_step),
@@ -345,7 +357,38 @@ def parse_job(data: Mapping[str, Any], *, size_step: int = SIZE_STEP) -> JobSpec
         gate=gate,
         rerolls=rerolls,
         on_nsfw=None if on_nsfw == "keep" else on_nsfw,
+        init_image=init_image,
+        init_image_sha256=digest,
+        strength=strength,
     )
+
+
+def image_start(steps: int, strength: float) -> int:
+    """The loop index an image job's denoising starts at, as diffusers' `get_timesteps`:
+    the last int(steps * strength) steps of the schedule run."""
+    return steps - min(int(steps * strength), steps)
+
+
+def _image(data: Mapping[str, Any], steps: int, scheduler: str | None) -> tuple[str | None, str | None, float | None]:
+    """An image job's init image reference, its digest (when given) and strength (default 0.8)."""
+    ref, digest, strength = data.get("init_image"), data.get("init_image_sha256"), data.get("strength")
+    if ref is None:
+        for field, value in (("init_image_sha256", digest), ("strength", strength)):
+            if value is not None:
+                raise JobError(field, value, "needs an init_image")
+        return None, None, None
+    if not check_text("init_image", ref, MAX_MODEL_CHARS).strip():
+        raise JobError("init_image", ref, "must not be empty")
+    if digest is not None and not (isinstance(digest, str) and SHA256_RE.fullmatch(digest)):
+        raise JobError("init_image_sha256", digest, "must be 64 lowercase hex digits (the image's sha256)")
+    strength = DEFAULT_STRENGTH if strength is None else check_number("strength", strength, 0, 1)
+    if strength == 0:
+        raise JobError("strength", strength, "must be in (0, 1]: above 0")
+    if image_start(steps, strength) == steps:
+        raise JobError("strength", strength, f"leaves no step of {steps}: int(steps * strength) must be at least 1")
+    if scheduler is not None and scheduler not in IMAGE_SCHEDULERS:
+        raise JobError("scheduler", scheduler, f"an image job runs {' or '.join(IMAGE_SCHEDULERS)}")
+    return ref, digest, float(strength)
 
 
 def reroll_seed(seed: int, attempt: int) -> int:
@@ -361,7 +404,9 @@ def _gate(gate: Any, rerolls: Any, scores: tuple[str, ...]) -> tuple[str | None,
             raise JobError("rerolls", rerolls, "needs a gate: the scores an image must pass to be kept")
     if gate is None:
         return None, None
-    from renderfarm.scores import Expression  # the filter language; it reads this module's names
+    from renderfarm.scores import (
+        Expression,  # the filter language; it reads this module's names
+    )
 
     expression = Expression(gate, field="gate")
     unasked = [score for score in expression.needs if score not in scores]

@@ -134,12 +134,14 @@ def loaded(folder: str, variant: str | None) -> tuple[LoadedModel, Engine]:
 
 
 def spec(model: LoadedModel, job: dict[str, Any]) -> JobSpec:
-    """A reference job for `model` (Flux's jobs name no negative prompt, scheduler or variant)."""
+    """A reference job for `model` (Flux's jobs name no negative prompt, scheduler or variant;
+    an image job names its init image relative to tests/data)."""
     return JobSpec(prompt=job["prompt"], model=model.ref, seed=job["seed"], steps=job["steps"],
                    negative_prompt=job.get("negative_prompt") or "", guidance_scale=job["guidance_scale"],
                    width=job["width"], height=job["height"], scheduler=job.get("scheduler"), variant=job.get("variant"),
                    timestep_spacing=job.get("timestep_spacing"), karras=job.get("karras"), base=model.base,
-                   loras=model.loras)
+                   loras=model.loras, init_image=str(DATA / job["init_image"]) if job.get("init_image") else None,
+                   strength=job.get("strength"))
 
 
 def max_diffs(engine: Engine, model: LoadedModel, jobs: list[dict[str, Any]], images: Path = ORACLE) -> list[int]:
@@ -175,7 +177,7 @@ def render_command(jobs: list[dict[str, Any]], tmp_path: Path, *flags: str) -> d
     the images it wrote, by their job's seed (from the PNG's fields)."""
     prompts, out = tmp_path / "jobs.jsonl", tmp_path / "out"
     fields = ("prompt", "seed", "steps", "guidance_scale", "width", "height")
-    prompts.write_text("".join(json.dumps({k: job[k] for k in fields}) + "\n" for job in jobs), encoding="utf-8")
+    prompts.write_text("".join(json.dumps({k: job[k] for k in fields if k in job}) + "\n" for job in jobs), encoding="utf-8")
     done = subprocess.run([sys.executable, "-m", "renderfarm_cli", "render", "--prompts", str(prompts), "--out", str(out),
                            "--campaign", "render", "--quiet", *flags], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr

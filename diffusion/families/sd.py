@@ -9,7 +9,14 @@ import jax
 
 from diffusion.families import latent_unet
 from diffusion.family import Component, Family, Networks
-from diffusion.generate import Inputs, Output, Static, denoise_and_decode, guided_rows
+from diffusion.generate import (
+    ImageInputs,
+    Inputs,
+    Output,
+    Static,
+    denoise_and_decode,
+    guided_rows,
+)
 from diffusion.nn.clip import CLIPTextConfig, CLIPTextModel
 from diffusion.nn.unet import UNet2DConditionModel, UNetConfig
 from diffusion.nn.vae import AutoencoderKL, VAEConfig
@@ -18,15 +25,16 @@ from diffusion.tiny_parts import write_latent_unet_model
 from diffusion.tokenizer import CLIPTokenizer
 
 
-def generate(nets: Networks, scheduler: Scheduler, static: Static, params: Any, inputs: Inputs) -> Output:
+def generate(nets: Networks, scheduler: Scheduler, static: Static, params: Any, inputs: Inputs | ImageInputs) -> Output:
     encoder = nets["text_encoder"]
+    text = inputs.text if static.image else inputs
 
     def encode(ids: jax.Array) -> jax.Array:
         return encoder.apply({"params": params["text_encoder"]}, ids[:, 0]).last_hidden_state
 
-    context = encode(inputs.prompt_ids)
+    context = encode(text.prompt_ids)
     if static.guided:
-        context = guided_rows(encode(inputs.negative_ids), context)
+        context = guided_rows(encode(text.negative_ids), context)
     return denoise_and_decode(nets, scheduler, static, params, inputs, context, None)
 
 
@@ -44,4 +52,5 @@ FAMILY = Family(
     denoiser_flops=latent_unet.denoiser_flops,
     tiny=write_latent_unet_model,
     tensor_parallel={"unet": latent_unet.UNET_TENSOR_PARALLEL},
+    image_to_image=True,
 )

@@ -33,7 +33,7 @@ from diffusion.schedulers.flow_euler import FlowMatchEulerScheduler, FlowState
 from diffusion.schedulers.lcm import LCMScheduler, LCMState
 from diffusion.schedulers.lms import LMSScheduler, LMSState
 from diffusion.schedulers.pndm import PNDMScheduler, PNDMState
-from renderfarm.jobs import KARRAS_SCHEDULERS
+from renderfarm.jobs import IMAGE_SCHEDULERS, KARRAS_SCHEDULERS
 from renderfarm.jobs import SCHEDULERS as CONTRACT_SCHEDULERS
 from renderfarm.jobs import check_sampler
 
@@ -64,6 +64,8 @@ __all__ = [
 SCHEDULERS = {cls.name: cls for cls in (PNDMScheduler, DDIMScheduler, LMSScheduler, EulerScheduler, DPMScheduler,
                                          EulerAncestralScheduler, LCMScheduler, FlowMatchEulerScheduler)}
 assert tuple(SCHEDULERS) == CONTRACT_SCHEDULERS, "renderfarm.jobs.SCHEDULERS names the schedulers"
+# Image jobs start at any step: their schedulers noise an image to a step's level (add_noise).
+assert all(hasattr(SCHEDULERS[name], "add_noise") for name in IMAGE_SCHEDULERS)
 assert KARRAS_SCHEDULERS == tuple(n for n, c in SCHEDULERS.items() if issubclass(c, SigmaScheduleConfig))
 # Scheduler classes model folders name (PyTorch's and diffusers' Flax twins) -> the contract's names.
 CLASS_NAMES = {prefix + cls.diffusers_class: cls.name for cls in SCHEDULERS.values() for prefix in ("", "Flax")}

@@ -72,6 +72,12 @@ class DDIMScheduler(SchedulerConfig):
             direction=const(np.sqrt(F32(1) - alpha_prev)),
         )
 
+    def add_noise(self, state: DDIMState, original: jax.Array, noise: jax.Array, start: jax.Array) -> jax.Array:
+        """PyTorch's `add_noise` at each job's first timestep (`start`: (B,) loop indices):
+        sqrt(alpha_t) x + sqrt(1 - alpha_t) noise."""
+        shape = (-1,) + (1,) * (original.ndim - 1)
+        return state.sqrt_alpha[start].reshape(shape) * original + state.sqrt_beta[start].reshape(shape) * noise
+
     def scale_model_input(self, state: DDIMState, sample: jax.Array, i: jax.Array) -> jax.Array:
         """DDIM does not scale the model input."""
         return sample

@@ -83,6 +83,11 @@ class EulerScheduler(SigmaScheduleConfig):
             sigmas=const(sigmas),
         )
 
+    def add_noise(self, state: EulerState, original: jax.Array, noise: jax.Array, start: jax.Array) -> jax.Array:
+        """PyTorch's `add_noise` from each job's begin index (`start`: (B,) loop indices):
+        x + sigma noise."""
+        return original + noise * state.sigmas[start].reshape((-1,) + (1,) * (original.ndim - 1))
+
     def scale_model_input(self, state: EulerState, sample: jax.Array, i: jax.Array) -> jax.Array:
         """Divide by sqrt(sigma^2 + 1)."""
         return scale_by_sigma(sample, state.sigmas[i])
