@@ -37,15 +37,8 @@ from diffusers.pipelines.stable_diffusion import (
 )
 from diffusers.utils import load_image
 
-from tests.oracle.pipelines import (
-    NATIVE,
-    STEPS,
-    _save_png,
-    job_record,
-    load,
-    quiet_and_deterministic,
-    versions,
-)
+from tests.oracle import pipelines
+from tests.oracle.pipelines import NATIVE, STEPS
 from tests.oracle.schedulers import CLASSES
 
 LATENT_SAMPLE_FOLD = 2**20  # diffusion.generate.LATENT_SAMPLE_FOLD (the oracle imports nothing of the farm)
@@ -114,14 +107,14 @@ def render(pipe: StableDiffusionImg2ImgPipeline, data: pathlib.Path, job: dict[s
 
 def write(data: pathlib.Path) -> None:
     """Rebuild data/img2img (see the module docstring)."""
-    quiet_and_deterministic()
+    pipelines.quiet_and_deterministic()
     root = data / "img2img"
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     _init_images(root)
     records: list[dict[str, Any]] = []
     for family in FAMILIES:
-        text = load(data / "oracle" / family / "model", family)
+        text = pipelines.load(data / "oracle" / family / "model", family)
         pipe = StableDiffusionImg2ImgPipeline(**text.components)
         pipe.set_progress_bar_config(disable=True)
         for scheduler in SCHEDULERS:
@@ -129,11 +122,11 @@ def write(data: pathlib.Path) -> None:
             pipe.scheduler = CLASSES[scheduler].from_config(text.oracle_scheduler_config)
             for index, job in enumerate(JOBS):
                 image = f"img2img/{family}/{scheduler}/{index}.png"
-                _save_png(data / image, render(pipe, data, job, NATIVE))
-                records.append(job_record(f"img2img/{family}/{scheduler}", index, f"oracle/{family}/model", None,
-                                          scheduler, job, STEPS, NATIVE, image, init_image=job["init_image"],
-                                          strength=job["strength"]))
+                pipelines._save_png(data / image, render(pipe, data, job, NATIVE))
+                records.append(pipelines.job_record(
+                    f"img2img/{family}/{scheduler}", index, f"oracle/{family}/model", None, scheduler, job, STEPS,
+                    NATIVE, image, init_image=job["init_image"], strength=job["strength"]))
     doc = {"about": "StableDiffusionImg2ImgPipeline on the tiny checkpoints, float32, CPU, batch size 1, with "
                     "the contract's noises (tests/oracle/img2img.py); paths relative to tests/data.",
-           "versions": versions(), "jobs": records}
+           "versions": pipelines.versions(), "jobs": records}
     (root / "jobs.json").write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
