@@ -155,12 +155,13 @@ class Plan:
 
 
 def make_plan(ref: str, target_name: str, size: tuple[int, int] | None = None, steps: int = 25,
-              guidance: tuple[float, ...] = (7.5,), scheduler: str | None = None, dtype: str = "bfloat16",
+              guidance: tuple[float, ...] | None = None, scheduler: str | None = None, dtype: str = "bfloat16",
               per_device_batch: int = 1, model_parallel: int | None = None,
               memory_per_chip: int | None = None) -> Plan:
     """Compile `ref`'s programs for target `target_name` at one job shape, a program per
-    guidance scale given (on or off), and say what each needs per chip. `model_parallel`
-    None takes the split `auto` chooses; `memory_per_chip` replaces the target's memory."""
+    guidance scale given (on or off; None: the family's default), and say what each needs per
+    chip. `model_parallel` None takes the split `auto` chooses; `memory_per_chip` replaces the
+    target's memory."""
     from diffusion.architectures import abstract_model
     from diffusion.sharding import choose_model_parallel
     from diffusion.targets import target, target_devices
@@ -189,7 +190,7 @@ def make_plan(ref: str, target_name: str, size: tuple[int, int] | None = None, s
     # the job contract's rules (sizes, steps, guidance, scheduler), as a job of this shape meets them
     specs = [parse_job({"prompt": "-", "model": ref, "seed": 0, "width": width, "height": height, "steps": steps,
                         "guidance_scale": scale, "scheduler": scheduler or model.default_scheduler, "dtype": dtype},
-                       size_step=model.size_step) for scale in guidance]
+                       size_step=model.size_step) for scale in guidance or (model.family.default_guidance,)]
     if specs[0].scheduler not in model.family.schedulers:
         raise JobError("scheduler", specs[0].scheduler, f"a {model.family.name} model runs "
                                                         f"{', '.join(model.family.schedulers)}")
@@ -324,8 +325,8 @@ def format_plan(plan: Plan) -> str:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    plan = make_plan(args.model, args.target, args.size, args.steps, tuple(args.guidance), args.scheduler,
-                     args.dtype, args.per_device_batch, args.model_parallel,
+    plan = make_plan(args.model, args.target, args.size, args.steps, args.guidance and tuple(args.guidance),
+                     args.scheduler, args.dtype, args.per_device_batch, args.model_parallel,
                      None if args.memory_per_chip is None else int(args.memory_per_chip * 1e9))
     print(json.dumps({**dataclasses.asdict(plan), "ok": plan.ok}, indent=2) if args.json else format_plan(plan))
     return 0 if plan.ok else 1
@@ -358,8 +359,9 @@ def register(sub: argparse._SubParsersAction, model_parallel: Callable[[str], in
     plan.add_argument("--target", required=True, help=f"the chips to plan for: {', '.join(TARGETS)}")
     plan.add_argument("--size", type=_size, metavar="WxH", help="image size (default: the model's native size)")
     plan.add_argument("--steps", type=int, default=25, help="denoising steps (default 25)")
-    plan.add_argument("--guidance", type=_scales, default=[7.5], metavar="G[,G]",
-                      help="guidance scales: a program each for guidance on (> 1) and off (default 7.5)")
+    plan.add_argument("--guidance", type=_scales, metavar="G[,G]",
+                      help="guidance scales: a program each for guidance on (> 1) and off (default: the family's "
+                           "own, 7.5 for SD, 3.5 for Flux)")
     plan.add_argument("--scheduler", help="the job's scheduler (default: the model's own)")
     plan.add_argument("--dtype", default="bfloat16", help="float32 or bfloat16 (default bfloat16)")
     plan.add_argument("--per-device-batch", type=int, default=1, metavar="N",
