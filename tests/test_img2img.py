@@ -9,6 +9,7 @@ rules: the id follows the image's content, a bad strength or image is refused na
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from collections import defaultdict
@@ -59,6 +60,19 @@ def test_render_command_reads_the_image_and_renders_diffusers_images(tmp_path: P
                              "--model", str(ORACLE / "sd1" / "model"), "--scheduler", "euler",
                              "--init-image", str(EXIF), "--strength", "0.8")
     assert worst([by_seed[job["seed"]] for job in jobs], [DATA / job["image"] for job in jobs]) <= TOLERANCE
+
+
+@pytest.mark.oracle
+def test_the_worker_refuses_an_image_job_its_model_or_scheduler_cannot_render() -> None:
+    sd1, engine = loaded("sd1/model", None)
+    job = parse_job({"prompt": "a fox", "model": sd1.ref, "seed": 1, "init_image": str(EXIF), "width": 64, "height": 64})
+    with pytest.raises(JobError, match="an image job runs ddim or euler") as err:
+        engine.check(job)  # the model's own scheduler, pndm, keeps a history
+    assert (err.value.field, err.value.value) == ("scheduler", "pndm")
+    sdxl, sdxl_engine = loaded("sdxl/model", None)
+    with pytest.raises(JobError, match="renders text to image only") as err:
+        sdxl_engine.check(dataclasses.replace(job, model=sdxl.ref, scheduler="euler"))
+    assert err.value.field == "init_image"
 
 
 def test_a_text_jobs_id_is_unchanged_and_an_image_jobs_follows_its_pixels(tmp_path: Path) -> None:
