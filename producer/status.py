@@ -149,6 +149,9 @@ def format_status(report: dict[str, Any]) -> str:
     if report["safety_checked"]:
         lines.append(f"  {'safety':<10} {report['safety_checked']:>8} done images checked, {report['nsfw']} "
                      f"flagged nsfw ({report['safety_pass_rate']:.1%} passed)")
+    if report["gated"]:
+        lines.append(f"  {'gate':<10} {report['gated']:>8} done images gated, {report['gate_passed']} passed "
+                     f"({report['gate_pass_rate']:.1%})")
     failures = list(report["failures"].items())
     if failures:
         lines.append(f"failures ({len(failures)}):")

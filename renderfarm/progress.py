@@ -18,7 +18,8 @@ Keys (CAMPAIGN is validated by the job contract, so it cannot reach outside its 
   rf:c:CAMPAIGN:cancel      flag: queued jobs of the campaign are skipped
   rf:c:CAMPAIGN:times       hash: first_submitted, first_done, last_done (unix seconds), and
                             device_seconds (the devices' time its done images took)
-  rf:c:CAMPAIGN:scores      hash: safety (done images safety-checked), nsfw (those flagged)
+  rf:c:CAMPAIGN:scores      hash: safety (done images safety-checked), nsfw (those flagged),
+                            gated (done images with a gate), passed (those that passed it)
   rf:c:CAMPAIGN:attempts    hash job id -> attempts started (the same spec in two campaigns is
                             two jobs: each has its own attempts)
   rf:c:CAMPAIGN:submission:ID  set of the job ids one submission sent (expires after 7 days)
@@ -179,14 +180,15 @@ class Progress:
         return [max(n, 2) if job in closed else n for job, n in zip(jobs, attempts)]
 
     def finished(self, jobs: Iterable[tuple[str, str]], device_seconds: Iterable[float] | None = None,
-                 nsfw: Iterable[bool | None] | None = None) -> None:
+                 verdicts: Iterable[tuple[bool | None, bool | None]] | None = None) -> None:
         """Mark (campaign, job id) pairs done, in one round trip, a few commands a campaign;
         `device_seconds` (one per job: its share of its batch's device time) add up per
-        campaign, and so do the safety checker's verdicts (`nsfw`, None where a job has no
-        safety score), once per job however often it is finished."""
+        campaign, and so do the `verdicts` (one per job: whether the safety checker flagged
+        it, whether it passed its gate; None where it has no such score or gate), once per
+        job however often it is finished."""
         jobs = list(jobs)
         seconds = dict(zip(jobs, device_seconds if device_seconds is not None else [0.0] * len(jobs)))
-        safety = dict(zip(jobs, nsfw if nsfw is not None else [None] * len(jobs)))
+        judged = dict(zip(jobs, verdicts if verdicts is not None else [(None, None)] * len(jobs)))
         now = time.time()
         pipe = self.r.pipeline(transaction=False)
         for campaign, ids in _by_campaign(jobs).items():
@@ -194,7 +196,7 @@ class Progress:
             self._finish(keys=[key(campaign, what) for what in ("done", "times", "open", "counts", "attempts",
                                                                   "failed", "cancelled", "scores")],
                          args=[x for job_id in ids for x in (job_id, repr(float(seconds[(campaign, job_id)])),
-                                                             _verdict(safety[(campaign, job_id)]))],
+                                                             _verdicts(*judged[(campaign, job_id)]))],
                          client=pipe)
             pipe.hsetnx(key(campaign, "times"), "first_done", now)
             pipe.hset(key(campaign, "times"), "last_done", now)
@@ -237,7 +239,7 @@ class Progress:
         pipe.hgetall(key(campaign, "counts"))
         pipe.hgetall(key(campaign, "scores"))
         submitted, running, done, cancelled, open_jobs, failed, times, cancel, counts, scores = pipe.execute()
-        checked, flagged = (int(scores.get(field, 0)) for field in (b"safety", b"nsfw"))
+        checked, flagged, gated, passed = (int(scores.get(f, 0)) for f in (b"safety", b"nsfw", b"gated", b"passed"))
         failed = {k.decode(): v.decode() for k, v in failed.items()}
         counts = {k.decode(): int(v) for k, v in counts.items() if k != b"admit"}
         window = counts.get("window")
@@ -279,6 +281,10 @@ class Progress:
             "safety_checked": checked,
             "nsfw": flagged,
             "safety_pass_rate": 1 - flagged / checked if checked else None,
+            # done images that had a gate, those whose kept image passed it, and their share
+            "gated": gated,
+            "gate_passed": passed,
+            "gate_pass_rate": passed / gated if gated else None,
         }
 
 
@@ -293,9 +299,9 @@ def _rate(done: int, submitted_at: float, first: float, last: float) -> float | 
     return None
 
 
-def _verdict(nsfw: bool | None) -> str:
-    """A job's safety as lua/finish.lua takes it."""
-    return "" if nsfw is None else str(int(nsfw))
+def _verdicts(nsfw: bool | None, passed: bool | None) -> str:
+    """A job's safety and gate as lua/finish.lua takes them: a character each."""
+    return "".join("-" if verdict is None else str(int(verdict)) for verdict in (nsfw, passed))
 
 
 def _by_campaign(jobs: Iterable[tuple[str, str]]) -> dict[str, list[str]]:

@@ -161,7 +161,7 @@ def test_export_keeps_what_passes_where_and_the_first_of_near_duplicates(
 
 
 @pytest.mark.parametrize("window", [None, 10])
-def test_a_campaigns_safety_pass_rate_counts_each_done_image_once(redis_server: RedisServer,
+def test_a_campaigns_pass_rates_count_each_done_image_once(redis_server: RedisServer,
                                                                   window: int | None) -> None:
     client = redis_server.client()
     client.flushall()
@@ -174,9 +174,12 @@ def test_a_campaigns_safety_pass_rate_counts_each_done_image_once(redis_server: 
         client.set("rf:c:safe:feeder", "holder")
         progress.admit("safe", [(i, "rf.q", i) for i in ids], ["rf.q"], "holder", "t1")
     done = [("safe", i) for i in ids]
-    progress.finished(done[:3], [1.0] * 3, [False, True, None])  # c asked for no safety score
-    progress.finished(done, [1.0] * 4, [False, True, None, False])  # a redelivery counts nothing twice
+    verdicts = [(False, True), (True, False), (None, None), (False, None)]  # (nsfw, passed its gate)
+    progress.finished(done[:3], [1.0] * 3, verdicts[:3])  # c asked for no safety score and had no gate
+    progress.finished(done, [1.0] * 4, verdicts)  # a redelivery counts nothing twice
     report = progress.status("safe")
     assert (report["safety_checked"], report["nsfw"], report["safety_pass_rate"]) == (3, 1, pytest.approx(2 / 3))
-    assert "safety            3 done images checked, 1 flagged nsfw (66.7% passed)" in format_status(
-        {**report, "queues": [], "workers": [], "warnings": [], "cost_per_1000_images": None})
+    assert (report["gated"], report["gate_passed"], report["gate_pass_rate"]) == (2, 1, 0.5)
+    text = format_status({**report, "queues": [], "workers": [], "warnings": [], "cost_per_1000_images": None})
+    assert "safety            3 done images checked, 1 flagged nsfw (66.7% passed)" in text
+    assert "gate              2 done images gated, 1 passed (50.0%)" in text

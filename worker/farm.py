@@ -90,8 +90,8 @@ class Outcomes:
     def succeeded(self, done: list[tuple[Job, dict[str, Any]]]) -> None:
         ids = [job.ident for job, _ in done]
         seconds = [result.get("device_seconds", 0.0) for _, result in done]  # what each image cost
-        nsfw = [result.get("nsfw") for _, result in done]
-        if not self._recorded(lambda: self.progress.finished(ids, seconds, nsfw), "finished", len(done)):
+        verdicts = [(result.get("nsfw"), result.get("gate_passed")) for _, result in done]
+        if not self._recorded(lambda: self.progress.finished(ids, seconds, verdicts), "finished", len(done)):
             return
         for job, result in done:  # successes live in storage and Progress, not the result backend
             job.request.send_event("task-succeeded", result=repr(result), runtime=time.time() - job.started)
@@ -301,7 +301,8 @@ class Processor:
         return {"job_id": job.spec.job_id, "png_sha256": record.get("png_sha256"),
                 "url": self.storage.url(sidecar_name(job.campaign, job.spec.job_id)),
                 "device_seconds": record.get("device_seconds", 0.0),
-                "nsfw": (record.get("scores") or {}).get("nsfw"), **extra}
+                "nsfw": (record.get("scores") or {}).get("nsfw"),
+                "gate_passed": (record.get("gate") or {}).get("passed"), **extra}
 
     # -- render ----------------------------------------------------------------------
 

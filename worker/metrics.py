@@ -39,6 +39,10 @@ class WorkerMetrics:
                                       ["campaign"], registry=r)
         self.nsfw = Counter("renderfarm_images_nsfw", "Images stored that the safety checker flagged",
                             ["campaign"], registry=r)
+        # the gate pass rate of a campaign: passed / gated
+        self.gated = Counter("renderfarm_images_gated", "Images stored of jobs with a gate", ["campaign"], registry=r)
+        self.gate_passed = Counter("renderfarm_images_gate_passed", "Images stored that passed their job's gate",
+                                   ["campaign"], registry=r)
         self.failed = Counter("renderfarm_images_failed", "Jobs failed or retried, by reason", ["reason"],
                               registry=r)
         self.batches = Counter("renderfarm_batches", "Batches rendered", registry=r)
@@ -106,6 +110,10 @@ class WorkerMetrics:
             if nsfw is not None:
                 self.safety_checked.labels(campaign).inc()
                 self.nsfw.labels(campaign).inc(nsfw)
+            passed = (record.get("gate") or {}).get("passed")
+            if passed is not None:
+                self.gated.labels(campaign).inc()
+                self.gate_passed.labels(campaign).inc(passed)
 
     def compiled(self, count: int, seconds: float) -> None:
         """The engine's totals so far (compiles run on their own thread; counted as seen)."""

@@ -6,16 +6,18 @@
 -- a job is newly done when it leaves the open set, the failed hash or the cancelled set, and
 -- the done count goes up; its attempts are forgotten (renderfarm/progress.py's `started`
 -- knows such a job is not new).
--- A newly done job's safety score counts too: the campaign's scores hash has how many done
--- images were safety-checked (field safety) and how many of them were flagged (nsfw).
+-- A newly done job's verdicts count too: the campaign's scores hash has how many done images
+-- were safety-checked (field safety) and flagged (nsfw), and how many had a gate (gated) and
+-- passed it (passed).
 -- KEYS[1]: the campaign's done set; KEYS[2]: its times hash (field device_seconds);
 -- KEYS[3]: its open set; KEYS[4]: its counts hash (fields window, done); KEYS[5]: its
 -- attempts hash; KEYS[6]: its failed hash; KEYS[7]: its cancelled set; KEYS[8]: its scores hash
--- ARGV: per job its id, its device-seconds and its safety ('' not checked, '0' safe, '1' nsfw)
+-- ARGV: per job its id, its device-seconds and its verdicts: two characters, its safety ('-'
+-- not checked, '0' safe, '1' nsfw) and its gate ('-' none, '0' failed, '1' passed)
 -- Returns the device-seconds added, as a string (Lua numbers would be cut to integers).
 local counted = redis.call('HEXISTS', KEYS[4], 'window') == 1
 local added, newly = 0, 0
-local checked, flagged = 0, 0
+local checked, flagged, gated, passed = 0, 0, 0, 0
 for i = 1, #ARGV, 3 do
   local ended = redis.call('HDEL', KEYS[6], ARGV[i]) + redis.call('SREM', KEYS[7], ARGV[i])
   local new
@@ -28,15 +30,24 @@ for i = 1, #ARGV, 3 do
   if new > 0 then
     added = added + tonumber(ARGV[i + 1])
     newly = newly + 1
-    if ARGV[i + 2] ~= '' then
+    local safety, gate = string.sub(ARGV[i + 2], 1, 1), string.sub(ARGV[i + 2], 2, 2)
+    if safety ~= '-' then
       checked = checked + 1
-      flagged = flagged + tonumber(ARGV[i + 2])
+      flagged = flagged + tonumber(safety)
+    end
+    if gate ~= '-' then
+      gated = gated + 1
+      passed = passed + tonumber(gate)
     end
   end
 end
 if checked > 0 then
   redis.call('HINCRBY', KEYS[8], 'safety', checked)
   redis.call('HINCRBY', KEYS[8], 'nsfw', flagged)
+end
+if gated > 0 then
+  redis.call('HINCRBY', KEYS[8], 'gated', gated)
+  redis.call('HINCRBY', KEYS[8], 'passed', passed)
 end
 if added > 0 then
   redis.call('HINCRBYFLOAT', KEYS[2], 'device_seconds', added)
