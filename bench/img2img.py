@@ -18,6 +18,7 @@ import argparse
 import os
 import statistics
 import time
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -26,8 +27,10 @@ import jax  # noqa: E402
 
 from diffusion.models import load_model  # noqa: E402
 from renderfarm.jobs import JobSpec  # noqa: E402
-from tests.helpers import DATA, ORACLE  # noqa: E402
 from worker.engine import Engine  # noqa: E402
+
+DATA = Path(__file__).resolve().parent.parent / "tests" / "data"  # the oracle's tiny checkpoints and images
+ORACLE = DATA / "oracle"
 
 
 def seconds(engine: Engine, specs: list[JobSpec], repeats: int) -> float:

@@ -59,13 +59,11 @@ from PIL import Image
 
 from diffusion.convert import WeightsError
 from diffusion.nn import parameter_shapes
-from diffusion.nn.clip import CLIPConfig, CLIPModel, CLIPVisionConfig, CLIPVisionModel
+from diffusion.nn.clip import CLIPConfig, CLIPModel, CLIPVisionModel
 from diffusion.nn.unet import Dtype
 from diffusion.tokenizer import CLIPTokenizer, TokenizerError
 from diffusion.weights import PICKLE_SUFFIXES, load_tensors, load_weights, read_header
-from renderfarm.jobs import JobError
-
-SCORES = ("safety", "clip", "aesthetic", "phash")
+from renderfarm.jobs import SCORES, JobError
 # CLIPImageProcessor's (OpenAI CLIP's) normalisation.
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)

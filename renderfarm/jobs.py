@@ -13,17 +13,17 @@ import json
 import math
 import operator
 import re
-import reprlib
 from collections.abc import Mapping
 from typing import Any
+
+from renderfarm.errors import JobError, shown  # noqa: F401 - the contract's error, raised and imported from here
+from renderfarm.scores import SCORES, Expression  # the scores a job may ask for, and its gate's language
 
 SCHEDULERS = ("pndm", "ddim", "lms", "euler", "dpm", "euler_a", "lcm", "flow_euler")
 SPACINGS = ("leading", "trailing", "linspace")  # diffusers' timestep_spacing
 KARRAS_SCHEDULERS = ("lms", "euler", "dpm")  # those with Karras sigmas (use_karras_sigmas)
 UNSPACED_SCHEDULERS = ("lcm", "flow_euler")  # those that place their own timesteps (timestep_spacing does not apply)
 DTYPES = ("float32", "bfloat16")
-# Scores a job may ask for, computed where it renders (renderfarm/scores.py says what each is).
-SCORES = ("safety", "clip", "aesthetic", "phash")
 SEED_LIMIT = 2**32
 MAX_PROMPT_CHARS = 10_000  # far beyond 77 tokens; stops megabyte prompts at the door
 MAX_MODEL_CHARS = 1_000  # hub ids, paths and URLs are far shorter
@@ -60,37 +60,6 @@ Lora = tuple[str, float]  # (reference, scale)
 # The canonical JSON a job id hashes: sorted keys, no spaces, UTF-8 as is. One encoder for
 # all jobs (json.dumps with options builds one per call, a third of a job id's cost).
 _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-
-
-_SHOWN = reprlib.Repr()
-_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlist, _SHOWN.maxdict = 2, 80, 80, 4, 4
-
-
-def shown(value: Any) -> str:
-    """A short repr of any value a hostile producer can send: deep nesting, megabyte strings
-    and integers too long for repr (Python refuses over 4,300 digits) all stay short."""
-    if isinstance(value, str):
-        text = repr(value)
-        return text if len(text) <= 160 else f"{value[:80]!r}... ({len(value)} chars)"
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
-        return f"<integer of {value.bit_length()} bits>"
-    try:
-        return _SHOWN.repr(value)
-    except (ValueError, RecursionError):
-        return f"<{type(value).__name__}>"
-
-
-class JobError(ValueError):
-    """A job field that breaks its rule; says which field, which value and which rule."""
-
-    def __init__(self, field: str, value: Any, rule: str, line: int | None = None) -> None:
-        self.field, self.value, self.rule, self.line = field, value, rule, line
-        where = f"line {line}: " if line is not None else ""
-        name = field if isinstance(field, str) and len(field) <= 80 and field.isprintable() else shown(field)
-        super().__init__(f"{where}{name}={shown(value)}: {rule}")
-
-    def at_line(self, line: int) -> JobError:
-        return JobError(self.field, self.value, self.rule, line)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -404,10 +373,6 @@ def _gate(gate: Any, rerolls: Any, scores: tuple[str, ...]) -> tuple[str | None,
             raise JobError("rerolls", rerolls, "needs a gate: the scores an image must pass to be kept")
     if gate is None:
         return None, None
-    from renderfarm.scores import (
-        Expression,  # the filter language; it reads this module's names
-    )
-
     expression = Expression(gate, field="gate")
     unasked = [score for score in expression.needs if score not in scores]
     if unasked:

@@ -1,6 +1,6 @@
-"""Image scores as the farm's contract states them (the names a job may ask for are the job
-contract's, renderfarm/jobs.py SCORES): what each puts in its sidecar, the small expression
-language that filters on them (`renderfarm export
+"""Image scores as the farm's contract states them: the names a job may ask for (SCORES, which
+the job contract in renderfarm/jobs.py reads), what each puts in its sidecar, the small
+expression language that filters on them (`renderfarm export
 --where`, a campaign's `gate`). Importable without JAX: the producer checks a job's scores
 and a filter before anything is enqueued; the worker computes the scores (diffusion/scores.py).
 
@@ -27,8 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from renderfarm.jobs import SCORES, JobError
+from renderfarm.errors import JobError
 
+SCORES = ("safety", "clip", "aesthetic", "phash")  # computed where the image renders (diffusion/scores.py)
 # What the scores put in a sidecar's `scores`, each an export column of this Arrow type.
 COLUMNS = {"nsfw": "bool", "safety_concepts": "string", "clip": "float64", "aesthetic": "float64",
            "phash": "string"}
