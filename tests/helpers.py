@@ -250,3 +250,19 @@ def check_renderfarm_args(argv: list[str], where: str) -> argparse.Namespace:
             return top.parse_args(argv)
     except SystemExit:
         pytest.fail(f"{where}: renderfarm {shlex.join(argv)}\n{err.getvalue()}")
+
+
+def submitted(server: RedisServer, campaign: str, ids: list[str], window: int | None = None) -> Progress:
+    """An empty Redis holding a campaign whose `ids` were submitted, each its own message on the
+    list rf.q: plainly, or with a `window` as its feeder ("holder") admits them."""
+    client = server.client()
+    client.flushall()
+    progress = Progress(client)
+    if window is None:
+        progress.submitted(campaign, ids, "rf.q")
+        return progress
+    client.hset(f"rf:c:{campaign}:counts", "window", window)
+    client.set(f"rf:c:{campaign}:feeder", "holder")
+    assert progress.admit(campaign, [(i, "rf.q", i) for i in ids], ["rf.q"], "holder", "t1") == ("ok", len(ids))
+    return progress
+

@@ -35,6 +35,7 @@ from renderfarm.storage import open_storage
 from tests.fault_proxies import TcpProxy
 from tests.gcs_emulator import GcsEmulator
 from tests.helpers import FARM_OUT, Cli, Farm, store_jobs
+from tests.helpers import submitted as submitted_jobs
 
 SUBMIT = importlib.import_module("producer.submit")  # `producer.submit` is also the package's function
 
@@ -395,16 +396,8 @@ def test_a_job_counts_once_in_the_state_it_ends_in(redis_server: RedisServer, wi
     """Failed for good or skipped, then rendered after all (a requeued dead letter, a duplicate
     delivery): done, and no longer failed or cancelled. Done, then failed or skipped (a
     duplicate delivery): still done. With a window or without."""
-    client = redis_server.client()
-    client.flushall()
-    progress = Progress(client)
     ids = ["a", "b", "c"]
-    if window is None:
-        progress.submitted("ends", ids, "rf.q")
-    else:
-        client.hset("rf:c:ends:counts", "window", window)
-        client.set("rf:c:ends:feeder", "holder")
-        progress.admit("ends", [(i, "rf.q", i) for i in ids], ["rf.q"], "holder", "first")
+    progress = submitted_jobs(redis_server, "ends", ids, window)
     progress.started(("ends", job_id) for job_id in ids)
     progress.failed("ends", "a", "out of memory")
     progress.cancel("ends")  # a worker skips a job only while its campaign is cancelled

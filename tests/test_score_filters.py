@@ -17,11 +17,10 @@ from producer.campaigns import campaign_jobs, parse_spec
 from harness.redis_server import RedisServer
 from producer.status import format_status
 from renderfarm.jobs import JobError, check_scores, parse_job
-from renderfarm.progress import Progress
 from renderfarm.scores import Expression, hamming, near_duplicates
 from renderfarm.storage import open_storage
 from renderfarm_cli import main
-from tests.helpers import COLOURS, store_results
+from tests.helpers import COLOURS, store_results, submitted
 
 
 def test_a_job_asks_for_scores_which_do_not_change_its_id(tmp_path: Path) -> None:
@@ -163,16 +162,8 @@ def test_export_keeps_what_passes_where_and_the_first_of_near_duplicates(
 @pytest.mark.parametrize("window", [None, 10])
 def test_a_campaigns_pass_rates_count_each_done_image_once(redis_server: RedisServer,
                                                                   window: int | None) -> None:
-    client = redis_server.client()
-    client.flushall()
-    progress = Progress(client)
     ids = ["a", "b", "c", "d"]
-    if window is None:
-        progress.submitted("safe", ids, "rf.q")
-    else:
-        client.hset("rf:c:safe:counts", "window", window)
-        client.set("rf:c:safe:feeder", "holder")
-        progress.admit("safe", [(i, "rf.q", i) for i in ids], ["rf.q"], "holder", "t1")
+    progress = submitted(redis_server, "safe", ids, window)
     done = [("safe", i) for i in ids]
     verdicts = [(False, True), (True, False), (None, None), (False, None)]  # (nsfw, passed its gate)
     progress.finished(done[:3], [1.0] * 3, verdicts[:3])  # c asked for no safety score and had no gate

@@ -36,7 +36,7 @@ from renderfarm.settings import Settings
 from renderfarm.storage import open_storage
 from tests.fault_proxies import TcpProxy
 from tests.gcs_emulator import GcsEmulator
-from tests.helpers import FARM_OUT, Farm
+from tests.helpers import FARM_OUT, Farm, submitted
 
 MODEL = "some/model"  # no worker serves it: what is sent stays on its queue
 
@@ -61,18 +61,6 @@ def task_ids(client: redis.Redis, model: str = MODEL) -> list[str]:
 
 def counts(client: redis.Redis, campaign: str) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in client.hgetall(f"rf:c:{campaign}:counts").items()}
-
-
-def counted(server: RedisServer, campaign: str, ids: str) -> Progress:
-    """An empty Redis holding a windowed campaign whose feeder ("holder") admitted `ids`,
-    each its own message on the list rf.q."""
-    client = server.client()
-    client.flushall()
-    client.hset(f"rf:c:{campaign}:counts", "window", 10)
-    client.set(f"rf:c:{campaign}:feeder", "holder")
-    progress = Progress(client)
-    assert progress.admit(campaign, [(i, "rf.q", i) for i in ids], ["rf.q"], "holder", "t1") == ("ok", len(ids))
-    return progress
 
 
 def test_a_cancelled_campaign_run_again_while_workers_skip_loses_no_job(
@@ -102,7 +90,7 @@ def test_a_cancelled_campaign_run_again_while_workers_skip_loses_no_job(
 
 
 def test_a_skip_after_the_cancel_was_lifted_records_nothing(redis_server: RedisServer) -> None:
-    client, progress = redis_server.client(), counted(redis_server, "lifted", "ab")
+    client, progress = redis_server.client(), submitted(redis_server, "lifted", list("ab"), window=10)
     progress.cancel("lifted")
     assert progress.skipped("lifted", "a")  # recorded: the cancel stands
     progress.resume("lifted")
@@ -129,7 +117,7 @@ def test_an_admit_sent_again_after_its_reply_was_lost_sends_nothing_twice(
 
 
 def test_a_job_open_already_is_neither_pushed_nor_counted_again(redis_server: RedisServer) -> None:
-    client, progress = redis_server.client(), counted(redis_server, "again", "a")
+    client, progress = redis_server.client(), submitted(redis_server, "again", list("a"), window=10)
     assert progress.admit("again", [("a", "rf.q", "a"), ("b", "rf.q", "b")], ["rf.q"], "holder", "t2") == ("ok", 1)
     assert client.lrange("rf.q", 0, -1) == [b"b", b"a"]
     assert client.hget("rf:c:again:counts", "submitted") == b"2"
@@ -138,7 +126,7 @@ def test_a_job_open_already_is_neither_pushed_nor_counted_again(redis_server: Re
 def test_an_admit_sent_again_after_a_job_finished_in_between_does_nothing(redis_server: RedisServer) -> None:
     """Its token marks it run: a job that finished before the admit came again is not
     opened, pushed or counted a second time."""
-    client, progress = redis_server.client(), counted(redis_server, "between", "ab")
+    client, progress = redis_server.client(), submitted(redis_server, "between", list("ab"), window=10)
     progress.finished([("between", "a")])
     assert progress.admit("between", [(i, "rf.q", i) for i in "ab"], ["rf.q"], "holder", "t1") == ("ok", 2)
     assert client.lrange("rf.q", 0, -1) == [b"b", b"a"] and client.smembers("rf:c:between:open") == {b"b"}
@@ -235,7 +223,7 @@ def test_a_requeue_whose_connection_drops_loses_no_letter(broker: str, redis_ser
 
 
 def test_a_job_failed_for_good_leaves_no_attempts_behind(redis_server: RedisServer) -> None:
-    client, progress = redis_server.client(), counted(redis_server, "spent", "ab")
+    client, progress = redis_server.client(), submitted(redis_server, "spent", list("ab"), window=10)
     assert progress.started([("spent", "a"), ("spent", "b")]) == [1, 1]
     progress.failed("spent", "a", "out of memory")
     progress.cancel("spent")
