@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from diffusion.families import FAMILIES
+from diffusion.models import LoadedModel
 from diffusion.schedulers import CLASS_NAMES, make
 from renderfarm.jobs import JobError, parse_job
 
@@ -69,6 +70,8 @@ def test_a_flux_model_folder_names_it() -> None:
 
 class _Model:
     """What Engine.check reads of a loaded model."""
+
+    guidance_scale = LoadedModel.guidance_scale  # the job's, or its family's default
 
     def __init__(self, family: str, default: str) -> None:
         self.ref, self.dtype, self.variant, self.base, self.loras = "m", "float32", None, None, None
