@@ -19,7 +19,7 @@ from renderfarm.jobs import JobError
 from renderfarm.layout import image_name
 from renderfarm.storage import Storage, open_storage
 from renderfarm_cli import main
-from tests.gcs_emulator import GcsEmulator
+from harness.gcs_emulator import GcsEmulator
 from tests.helpers import COLOURS, HOSTILE, append_raw, store_results
 
 

@@ -21,8 +21,8 @@ from renderfarm.jobs import parse_job
 from renderfarm.layout import index_name, manifest_name, preview_name, thumbnail_name
 from renderfarm.storage import Storage, open_storage
 from renderfarm_cli import main
-from tests.fault_proxies import GcsProxy, Rule
-from tests.gcs_emulator import GcsEmulator
+from harness.fault_proxies import GcsProxy, Rule
+from harness.gcs_emulator import GcsEmulator
 from tests.helpers import COLOURS, HOSTILE, STEPS, append_raw, store_jobs, store_results
 
 

@@ -231,7 +231,9 @@ class Processor:
             if request.args:
                 raise JobError("args", request.args, "a job has keyword fields only")
             spec = parse_job(request.kwargs, size_step=self.engine.model.size_step)
-            return Job(request, spec, self.engine.check(spec))
+            key = self.engine.check(spec)
+            self.engine.prefetch([spec], key)  # its init image is read while it waits for its batch
+            return Job(request, spec, key)
         except JobError as err:
             reason = f"invalid job: {err}"
         except Exception as err:  # noqa: BLE001 - a bug here must not stop the worker either
@@ -308,7 +310,11 @@ class Processor:
 
     def _start(self, batch: JobBatch) -> None:
         """Start the batch on the devices and hand the one before, now rendered, to the
-        writer: the devices work while the consumer gathers the next batch."""
+        writer: the devices work while the consumer gathers the next batch. A job whose init
+        image cannot be read is taken out first; the rest render."""
+        self._unreadable(batch)
+        if batch.state is State.SETTLED:
+            return
         before = self._held(State.RENDERING)
         try:
             started = self.engine.start([job.spec for job in batch.jobs], batch.key, list(range(len(batch.jobs))))
@@ -318,6 +324,19 @@ class Processor:
         batch.rendering(started)
         for earlier in before:
             self._collect(earlier)
+
+    def _unreadable(self, batch: JobBatch) -> None:
+        """Image jobs whose source is not their image (missing, not an image, changed) fail for
+        good, dead-lettered with the reason; those whose storage is away go back on the queue."""
+        jobs = list(batch.jobs)
+        for n, error in self.engine.init_images.unreadable([job.spec for job in jobs], batch.key.width,
+                                                           batch.key.height).items():
+            job = batch.release(jobs[n])
+            if isinstance(error, JobError):
+                queue = job.request.delivery_info.get("routing_key") or "?"
+                self.outcomes.invalid(job.request, f"invalid job: {error}", queue, job.spec)
+            else:
+                self.outcomes.retry(job, f"storage: {type(error).__name__}: {error}", counts=False)
 
     def _collect(self, batch: JobBatch) -> None:
         """Wait for a batch on the devices, then hand it to the writer. The wait gives up
