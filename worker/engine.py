@@ -200,7 +200,7 @@ class Engine:
         self.init_images = InitImages()  # image jobs' sources, read ahead of their batches
         # Compiled programs, least recently used first; at most max_programs are kept.
         self._compiled: collections.OrderedDict[ShapeKey, Any] = collections.OrderedDict()
-        self._lock = threading.Lock()  # programs compile on a thread of their own (worker.farm)
+        self._lock = threading.Lock()  # programs compile on a thread of their own (worker.processing)
         self.max_programs = max_programs  # None: sized for device memory by the first program
         self.executables = executables
         self._batches = itertools.count()
