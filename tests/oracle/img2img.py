@@ -80,11 +80,15 @@ def _contract(key: jax.Array, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def contract_draws(seed: int) -> Iterator[None]:
-    """The pipeline's two draws replaced by the contract's: the VAE's latent sample, then the added noise."""
+def contract_draws(seed: int, pipeline_module: Any = img2img_module,
+                   vae_folds: tuple[int, ...] = (LATENT_SAMPLE_FOLD,)) -> Iterator[None]:
+    """The pipeline's draws replaced by the contract's: the VAE's latent samples, in the order the
+    pipeline encodes, each from its fold of the job's key; the noise the pipeline's module draws,
+    the contract's latents. Every fold must be drawn."""
     key = jax.random.PRNGKey(seed)
-    draws = {vae_module: lambda shape: _contract(jax.random.fold_in(key, LATENT_SAMPLE_FOLD), shape),
-             img2img_module: lambda shape: _contract(key, shape)}
+    folds = list(vae_folds)
+    draws = {vae_module: lambda shape: _contract(jax.random.fold_in(key, folds.pop(0)), shape),
+             pipeline_module: lambda shape: _contract(key, shape)}
     originals = {module: module.randn_tensor for module in draws}
     for module, draw in draws.items():
         module.randn_tensor = lambda shape, *_, dtype=None, _draw=draw, **__: _draw(tuple(shape)).to(dtype=dtype)
@@ -93,6 +97,8 @@ def contract_draws(seed: int) -> Iterator[None]:
     finally:
         for module, original in originals.items():
             module.randn_tensor = original
+    if folds:
+        raise AssertionError(f"the pipeline drew fewer VAE samples than the contract's folds {vae_folds}")
 
 
 def render(pipe: StableDiffusionImg2ImgPipeline, data: pathlib.Path, job: dict[str, Any], size: tuple[int, int]) -> np.ndarray:
@@ -105,12 +111,24 @@ def render(pipe: StableDiffusionImg2ImgPipeline, data: pathlib.Path, job: dict[s
     return (out * 255).round().astype(np.uint8)
 
 
-def write(data: pathlib.Path) -> None:
-    """Rebuild data/img2img (see the module docstring)."""
+def emptied(data: pathlib.Path, part: str) -> pathlib.Path:
+    """An image part's folder under data/, emptied, with torch quiet and deterministic."""
     pipelines.quiet_and_deterministic()
-    root = data / "img2img"
+    root = data / part
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
+    return root
+
+
+def write_jobs(root: pathlib.Path, about: str, records: list[dict[str, Any]]) -> None:
+    """A part's jobs.json: what it holds, the libraries' versions and every job."""
+    doc = {"about": about, "versions": pipelines.versions(), "jobs": records}
+    (root / "jobs.json").write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def write(data: pathlib.Path) -> None:
+    """Rebuild data/img2img (see the module docstring)."""
+    root = emptied(data, "img2img")
     _init_images(root)
     records: list[dict[str, Any]] = []
     for family in FAMILIES:
@@ -126,7 +144,5 @@ def write(data: pathlib.Path) -> None:
                 records.append(pipelines.job_record(
                     f"img2img/{family}/{scheduler}", index, f"oracle/{family}/model", None, scheduler, job, STEPS,
                     NATIVE, image, init_image=job["init_image"], strength=job["strength"]))
-    doc = {"about": "StableDiffusionImg2ImgPipeline on the tiny checkpoints, float32, CPU, batch size 1, with "
-                    "the contract's noises (tests/oracle/img2img.py); paths relative to tests/data.",
-           "versions": pipelines.versions(), "jobs": records}
-    (root / "jobs.json").write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    write_jobs(root, "StableDiffusionImg2ImgPipeline on the tiny checkpoints, float32, CPU, batch size 1, with "
+                     "the contract's noises (tests/oracle/img2img.py); paths relative to tests/data.", records)
