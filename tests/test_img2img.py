@@ -24,9 +24,8 @@ from tests.helpers import (
     ORACLE,
     TOLERANCE,
     loaded,
-    max_diffs,
+    one_program_matches,
     render_command,
-    spec,
     worst,
 )
 
@@ -43,11 +42,7 @@ def test_image_jobs_match_diffusers_pytorch(batch: str) -> None:
     jobs = BATCHES[batch]
     assert len({job["strength"] for job in jobs}) >= 3 and len({job["init_image"] for job in jobs}) == 2
     model, engine = loaded(jobs[0]["model"].removeprefix("oracle/"), None)
-    compiles = engine.compiles
-    diffs = max_diffs(engine, model, jobs, images=DATA)
-    assert max(diffs) <= TOLERANCE, f"{batch}: max differences {diffs} (out of 255)"
-    assert engine.compiles - compiles <= 1  # every strength in one program
-    assert len({engine.check(spec(model, job)) for job in jobs}) == 1
+    one_program_matches(engine, model, jobs, batch)
 
 
 @pytest.mark.oracle
