@@ -68,16 +68,17 @@ def test_render_command_inpaints_as_diffusers(tmp_path: Path) -> None:
 
 @pytest.mark.oracle
 def test_the_worker_refuses_what_its_model_cannot_inpaint(tmp_path: Path) -> None:
-    """A mask on a family that cannot inpaint; a text or image-to-image job on an inpainting UNet;
+    """A mask on a family that cannot inpaint (SDXL, Flux); a text or image-to-image job on an inpainting UNet;
     a mask the producer never saw that does not fit its image, or that changed since: each named."""
     sd1, engine = loaded("sd1/model", None)
     job = parse_job({"prompt": "a fox", "model": sd1.ref, "seed": 1, "scheduler": "euler", "width": 64, "height": 64,
                      "init_image": str(IMAGE), "mask_image": str(MASK)})
     assert engine.check(job).mask
-    sdxl, sdxl_engine = loaded("sdxl/model", None)
-    with pytest.raises(JobError, match="cannot inpaint") as err:
-        sdxl_engine.check(dataclasses.replace(job, model=sdxl.ref))
-    assert (err.value.field, err.value.value) == ("mask_image", str(MASK))
+    for folder, scheduler in (("sdxl/model", "euler"), (str(DATA / "flux" / "schnell" / "model"), "flow_euler")):
+        other, other_engine = loaded(folder, None)
+        with pytest.raises(JobError, match="cannot inpaint") as err:
+            other_engine.check(dataclasses.replace(job, model=other.ref, scheduler=scheduler))
+        assert (err.value.field, err.value.value) == ("mask_image", str(MASK))
     inpainting, inpainting_engine = loaded(str(DATA / INPAINTING), None)
     for kind in ({"init_image": None, "mask_image": None, "strength": None}, {"mask_image": None}):
         with pytest.raises(JobError, match="jobs need an init_image and a mask_image") as err:
