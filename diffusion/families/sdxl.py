@@ -13,14 +13,7 @@ import jax.numpy as jnp
 
 from diffusion.families import latent_unet
 from diffusion.family import Component, Family, Networks
-from diffusion.generate import (
-    ImageInputs,
-    Inputs,
-    Output,
-    Static,
-    denoise_and_decode,
-    guided_rows,
-)
+from diffusion.generate import ImageInputs, Inputs, Output, Static, denoise_and_decode, guided_rows
 from diffusion.nn.clip import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 from diffusion.nn.unet import UNet2DConditionModel, UNetConfig
 from diffusion.nn.vae import AutoencoderKL, VAEConfig
