@@ -102,3 +102,5 @@ class Family:
     tensor_parallel: Mapping[str, TensorParallel] = dataclasses.field(default_factory=dict)
     # whether its `generate` takes image-to-image batches (Static.image, generate.ImageInputs)
     image_to_image: bool = False
+    # whether it takes inpainting batches too (Static.mask, ImageInputs.mask)
+    inpainting: bool = False

@@ -41,13 +41,15 @@ class Inputs(NamedTuple):
 
 
 class ImageInputs(NamedTuple):
-    """An image-to-image batch: the family's text inputs, each job's init image and the loop
-    index its denoising starts at (diffusers' `get_timesteps`: steps - int(steps * strength)).
-    The start is an input, not a static, so jobs of any strength share one program."""
+    """An image-to-image or inpainting batch: the family's text inputs, each job's init image
+    (and mask) and the loop index its denoising starts at (diffusers' `get_timesteps`:
+    steps - int(steps * strength)). The start is an input, not a static, so jobs of any
+    strength share one program."""
 
     text: Inputs
     pixels: jax.Array  # (B, 3, H, W) float32 in [-1, 1], VaeImageProcessor's preprocess
     start: jax.Array  # (B,) int32
+    mask: jax.Array | None = None  # inpainting (Static.mask): (B, 1, H, W) float32, 1 repaints
 
     @property
     def keys(self) -> jax.Array:
@@ -58,9 +60,19 @@ class ImageInputs(NamedTuple):
         return self.text.guidance
 
 
+class ImageLatents(NamedTuple):
+    """What an image job's loop starts from (`image_latents`)."""
+
+    latents: jax.Array  # (B, C, h, w): the init image's scaled latents
+    blend: jax.Array | None  # (B, 1, h, w): a UNet of C channels inpainting: the mask, 1 repaints
+    condition: jax.Array | None  # (B, 1 + C, h, w): an inpainting UNet's: the mask, the masked image's latents
+
+
 # The fold of a job's key its VAE latent sample draws from: past any step index the stochastic
-# schedulers fold in (at most 500 steps), so no image job's draws repeat one another.
+# schedulers fold in (at most 500 steps), so no image job's draws repeat one another; an
+# inpainting UNet's masked image draws its own sample from the next fold.
 LATENT_SAMPLE_FOLD = 2**20
+MASKED_SAMPLE_FOLD = LATENT_SAMPLE_FOLD + 1
 
 
 class Output(NamedTuple):
@@ -78,6 +90,7 @@ class Static(NamedTuple):
     steps: int
     guided: bool  # classifier-free guidance: every job's scale > 1
     image: bool = False  # image to image: the inputs are ImageInputs
+    mask: bool = False  # inpainting (with image): ImageInputs with their mask
 
 
 def initial_latents(keys: jax.Array, shape: tuple[int, int, int]) -> jax.Array:
@@ -95,21 +108,29 @@ def step_noise(keys: jax.Array, i: jax.Array, shape: tuple[int, int, int]) -> ja
 
 def denoise(unet: UNet2DConditionModel, unet_params: Any, scheduler: Scheduler, static: Static,
             latent_shape: tuple[int, int, int], inputs: Inputs | ImageInputs, context: jax.Array,
-            added: Mapping[str, jax.Array] | None, image_latents: jax.Array | None = None) -> jax.Array:
+            added: Mapping[str, jax.Array] | None, image: ImageLatents | None = None) -> jax.Array:
     """The sampling loop of diffusers' PyTorch UNet pipelines on the contract's latents, or
-    (image to image) from `image_latents` noised to each job's start.
+    (image to image, inpainting) from `image`'s latents noised to each job's start.
     Guided, `context` (and `added`) hold each job's unconditional row and then its conditional
-    one (`guided_rows`); unguided, the conditional input alone."""
+    one (`guided_rows`); unguided, the conditional input alone. An inpainting UNet's extra
+    input channels (`image.condition`) follow the scaled latents in every call."""
+    condition = None if image is None else image.condition
+    if condition is not None and static.guided:
+        condition = guided_rows(condition, condition)
+
     def predict(model_input: jax.Array, t: jax.Array) -> jax.Array:
+        if condition is not None:
+            model_input = jnp.concatenate([model_input, condition], axis=1)
         return unet.apply({"params": unet_params}, model_input, t, context, added)
 
-    if image_latents is None:
+    if image is None:
         return sample(predict, scheduler, static, initial_latents(inputs.keys, latent_shape), inputs)
-    return sample(predict, scheduler, static, image_latents, inputs, inputs.start)
+    return sample(predict, scheduler, static, image.latents, inputs, inputs.start, image.blend)
 
 
 def sample(predict: Callable[[jax.Array, jax.Array], jax.Array], scheduler: Scheduler, static: Static,
-           latents: jax.Array, inputs: Any, start: jax.Array | None = None) -> jax.Array:
+           latents: jax.Array, inputs: Any, start: jax.Array | None = None,
+           blend: jax.Array | None = None) -> jax.Array:
     """The loop every family shares, from `latents` (B, ...) with the denoiser `predict`
     (model input, timesteps (B,)) -> prediction; `inputs` gives the jobs' `keys` and
     `guidance`. Guided, each step predicts on each job's latents twice (`guided_rows`) and
@@ -119,15 +140,24 @@ def sample(predict: Callable[[jax.Array, jax.Array], jax.Array], scheduler: Sche
     With `start` ((B,) loop indices), `latents` are each job's image latents, noised here to
     its first timestep (the scheduler's `add_noise`, the contract's latents as the noise); the
     loop runs from the batch's earliest start and a job's latents change only from its own.
-    Only schedulers without history can do this (their step i depends on i alone)."""
+    Only schedulers without history can do this (their step i depends on i alone).
+    Inpainting (`static.mask`) as StableDiffusionInpaintPipeline: a job of strength 1 (start 0)
+    starts from the noise alone, and with `blend` (the mask at the latents' size) each step's
+    kept area is the image's latents noised to the next step's level (the last: not noised)."""
     state = scheduler.set_timesteps(static.steps, latents.shape)  # host side: constants
     first: jax.Array | int = 0
+    rows = (-1, *[1] * (latents.ndim - 1))
+    image = latents
     if start is None:
         latents = latents * state.init_noise_sigma
     else:
-        latents = scheduler.add_noise(state, latents, initial_latents(inputs.keys, latents.shape[1:]), start)
+        noise = initial_latents(inputs.keys, latents.shape[1:])
+        latents = scheduler.add_noise(state, image, noise, start)
+        if static.mask:
+            latents = jnp.where((start == 0).reshape(rows), noise * state.init_noise_sigma, latents)
         first = jnp.min(start)
-    guidance = inputs.guidance.astype(jnp.float32).reshape(-1, *[1] * (latents.ndim - 1))
+    guidance = inputs.guidance.astype(jnp.float32).reshape(rows)
+    last = state.timesteps.shape[0] - 1
 
     def body(i: jax.Array, carry: tuple[jax.Array, Any]) -> tuple[jax.Array, Any]:
         latents, state = carry
@@ -142,8 +172,12 @@ def sample(predict: Callable[[jax.Array, jax.Array], jax.Array], scheduler: Sche
         if scheduler.stochastic:
             return scheduler.step(state, prediction, i, latents, step_noise(inputs.keys, i, latents.shape[1:]))
         stepped, state = scheduler.step(state, prediction, i, latents)
+        if blend is not None:
+            following = jnp.broadcast_to(jnp.minimum(i + 1, last), start.shape)
+            kept = jnp.where(i < last, scheduler.add_noise(state, image, noise, following), image)
+            stepped = (1 - blend) * kept + blend * stepped
         if start is not None:  # a job not started yet keeps its noised latents
-            stepped = jnp.where((i >= start).reshape(-1, *[1] * (latents.ndim - 1)), stepped, latents)
+            stepped = jnp.where((i >= start).reshape(rows), stepped, latents)
         return stepped, state
 
     latents, _ = jax.lax.fori_loop(first, state.timesteps.shape[0], body, (latents, state))
@@ -163,19 +197,38 @@ def denoise_and_decode(nets: Networks, scheduler: Scheduler, static: Static, par
     latents (the UNet's channels, the size over the VAE's scale factor), then the VAE."""
     unet, vae = nets["unet"], nets["vae"]
     f = vae.config.scale_factor
-    image = encode(vae, params["vae"], inputs.pixels, inputs.keys) if static.image else None
+    image = image_latents(unet, vae, params["vae"], static, inputs) if static.image else None
     latents = denoise(unet, params["unet"], scheduler, static,
                       (unet.config.in_channels, static.height // f, static.width // f), inputs, context, added, image)
     return decode(vae, params["vae"], latents)
 
 
-def encode(vae: AutoencoderKL, vae_params: Any, pixels: jax.Array, keys: jax.Array) -> jax.Array:
-    """Init images to scaled latents as diffusers' img2img pipelines make them: a sample of
-    the VAE's latent distribution, mean + std * normal(fold_in(PRNGKey(seed),
-    LATENT_SAMPLE_FOLD)) per job, times scaling_factor."""
+def image_latents(unet: UNet2DConditionModel, vae: AutoencoderKL, vae_params: Any, static: Static,
+                  inputs: ImageInputs) -> ImageLatents:
+    """An image batch's start, as the img2img and inpaint pipelines make it: the init images'
+    latents; inpainting, the mask at the latents' size (torch's nearest interpolation: each
+    f x f block's top-left pixel), which a UNet of the latents' channels blends with and an
+    inpainting UNet (more input channels) takes beside the masked image's latents (the
+    image where the mask is below 0.5, grey elsewhere)."""
+    latents = encode(vae, vae_params, inputs.pixels, inputs.keys)
+    if not static.mask:
+        return ImageLatents(latents, None, None)
+    f = vae.config.scale_factor
+    mask = inputs.mask[:, :, ::f, ::f]
+    if unet.config.in_channels == latents.shape[1]:
+        return ImageLatents(latents, mask, None)
+    masked = encode(vae, vae_params, inputs.pixels * (inputs.mask < 0.5), inputs.keys, MASKED_SAMPLE_FOLD)
+    return ImageLatents(latents, None, jnp.concatenate([mask, masked], axis=1))
+
+
+def encode(vae: AutoencoderKL, vae_params: Any, pixels: jax.Array, keys: jax.Array,
+           fold: int = LATENT_SAMPLE_FOLD) -> jax.Array:
+    """Images to scaled latents as diffusers' img2img and inpaint pipelines make them: a sample
+    of the VAE's latent distribution, mean + std * normal(fold_in(PRNGKey(seed), fold)) per
+    job, times scaling_factor."""
     mean, logvar = vae.apply({"params": vae_params}, pixels, method=vae.encode)
     mean, logvar = mean.astype(jnp.float32), logvar.astype(jnp.float32)
-    folded = jax.vmap(lambda key: jax.random.fold_in(key, LATENT_SAMPLE_FOLD))(keys)
+    folded = jax.vmap(lambda key: jax.random.fold_in(key, fold))(keys)
     noise = initial_latents(folded, mean.shape[1:])
     return vae.config.scaling_factor * (mean + jnp.exp(0.5 * logvar) * noise)
 

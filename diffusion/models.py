@@ -110,13 +110,15 @@ class LoadedModel:
         return self.family.default_guidance if spec.guidance_scale is None else spec.guidance_scale
 
     def abstract_inputs(self, batch: int, sharding: jax.sharding.Sharding | None = None,
-                        image: tuple[int, int] | None = None) -> Any:
+                        image: tuple[int, int] | None = None, mask: bool = False) -> Any:
         """The shapes and dtypes of `inputs` for `batch` jobs (what a program is compiled for);
-        with `image` (height, width), an image-to-image batch's (generate.ImageInputs)."""
+        with `image` (height, width), an image-to-image batch's (generate.ImageInputs), with
+        `mask` an inpainting one's."""
         inputs = self.family.abstract_inputs(self.tokenizers, batch)
         if image is not None:
             inputs = ImageInputs(inputs, jax.ShapeDtypeStruct((batch, 3, *image), jnp.float32),
-                                 jax.ShapeDtypeStruct((batch,), jnp.int32))
+                                 jax.ShapeDtypeStruct((batch,), jnp.int32),
+                                 jax.ShapeDtypeStruct((batch, 1, *image), jnp.float32) if mask else None)
         return jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), inputs)
 
     @property
@@ -127,6 +129,15 @@ class LoadedModel:
     @property
     def native_size(self) -> int:
         return self.family.geometry(self.networks).native_size
+
+    @property
+    def inpainting_unet(self) -> bool:
+        """Whether its UNet takes more channels than the VAE's latents (an inpainting UNet,
+        like sd-1.5-inpainting's 9: latents, mask, masked image's latents): it renders
+        inpainting jobs only."""
+        modules = dict(self.networks.modules)
+        unet, vae = modules.get("unet"), modules.get("vae")
+        return unet is not None and vae is not None and unet.config.in_channels > vae.config.latent_channels
 
     @property
     def default_scheduler(self) -> str:

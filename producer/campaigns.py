@@ -324,12 +324,16 @@ def _source_rows(spec: CampaignSpec) -> tuple[str, Iterator[SourceRow], SourceRe
 
 
 def _located(fields: dict[str, Any] | JobError, folder: Path) -> dict[str, Any] | JobError:
-    """A row's init image path, relative to its source file's folder (as the spec's paths are to
-    the spec's)."""
-    ref = fields.get("init_image") if isinstance(fields, dict) else None
-    if isinstance(ref, str) and ref and "://" not in ref and not Path(ref).is_absolute():
-        return {**fields, "init_image": str((folder / ref).resolve())}
-    return fields
+    """A row's init image and mask paths, relative to its source file's folder (as the spec's
+    paths are to the spec's)."""
+    if isinstance(fields, JobError):
+        return fields
+    located = dict(fields)
+    for field in ("init_image", "mask_image"):
+        ref = fields.get(field)
+        if isinstance(ref, str) and ref and "://" not in ref and not Path(ref).is_absolute():
+            located[field] = str((folder / ref).resolve())
+    return located
 
 
 def _image_rows(prefix: str, prompt: str) -> Iterator[SourceRow]:
@@ -349,7 +353,7 @@ def _row_jobs(fields: Mapping[str, Any], seed: int, strengths: tuple[float, ...]
         return jobs
     sized = check_init_image(jobs[0], SIZE_STEP)
     return [dataclasses.replace(job, init_image_sha256=sized.init_image_sha256, width=sized.width,
-                                height=sized.height) for job in jobs]
+                                height=sized.height, mask_image_sha256=sized.mask_image_sha256) for job in jobs]
 
 
 def campaign_jobs(spec: CampaignSpec, on_bad: Callable[[BadRow], None] | None = None,

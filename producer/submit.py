@@ -311,7 +311,8 @@ def submit(prompts: Iterable[str] | str = (), *, model: str, campaign: str = "lo
            dtype: str = "float32", variant: str | None = None, base: str | None = None,
            loras: list[str] | None = None, scores: list[str] | None = None, gate: str | None = None,
            rerolls: int | None = None, on_nsfw: str | None = None, priority: int | None = None,
-           init_image: str | None = None, strength: float | None = None, broker: str | None = None, wait: bool = False, timeout: float | None = None,
+           init_image: str | None = None, strength: float | None = None, mask_image: str | None = None,
+           broker: str | None = None, wait: bool = False, timeout: float | None = None,
            progress: bool = True) -> Submission:
     """Enqueue jobs for the farm, as `renderfarm submit` does: the given prompts, then the
     lines of `prompts_file` (.txt or .jsonl, whose fields win over these arguments); job i
@@ -323,7 +324,7 @@ def submit(prompts: Iterable[str] | str = (), *, model: str, campaign: str = "lo
                 "scheduler": scheduler, "timestep_spacing": timestep_spacing, "karras": karras, "dtype": dtype,
                 "variant": variant, "base": base, "loras": loras, "scores": scores, "gate": gate,
                 "rerolls": rerolls, "on_nsfw": on_nsfw, "priority": priority, "init_image": init_image,
-                "strength": strength}
+                "strength": strength, "mask_image": mask_image}
     submission = submit_jobs(lambda: build_jobs(prompt_rows(given, prompts_file), defaults, seed),
                              Settings.from_env(broker_url=broker))
     if wait:

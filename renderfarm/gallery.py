@@ -29,7 +29,7 @@ from typing import Any
 from PIL import Image, PngImagePlugin
 
 from renderfarm.jobs import JobError, check_campaign
-from renderfarm.images import open_init_image, read_init_image
+from renderfarm.images import open_image, read_image
 from renderfarm.layout import image_name, index_name, preview_name, source_thumbnail_name, thumbnail_name
 from renderfarm.manifest import (
     Cursor,
@@ -99,7 +99,7 @@ def _ensure_source_thumbnail(storage: Storage, campaign: str, digest: str, ref: 
     if storage.exists(name):
         return True
     try:
-        image = open_init_image(read_init_image(ref), ref)
+        image = open_image(read_image(ref), ref)
     except JobError as err:
         log.warning("gallery of %s: no thumbnail of the source image: %s", campaign, err)
         return False

@@ -33,7 +33,7 @@ ROW_FIELDS: dict[str, Callable[[str], Any]] = {
     "prompt": str, "negative_prompt": str, "model": str, "steps": int, "guidance_scale": float,
     "width": int, "height": int, "scheduler": str, "dtype": str, "priority": int, "variant": str,
     "timestep_spacing": str, "karras": lambda cell: _BOOLEANS[cell.strip().lower()], "init_image": str,
-    "strength": float}
+    "mask_image": str, "strength": float}
 _BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 _CELL_RULES = {int: "must be an integer", float: "must be a number"}
 SPEC_ONLY = {"seed": "seeds derive from base_seed and the row's position",

@@ -35,11 +35,11 @@ VARIANT_RE = re.compile(r"[a-z0-9_]{1,32}")  # a weights variant: fp16, bf16, ..
 PIXEL_FIELDS = (
     "model", "prompt", "negative_prompt", "seed", "steps", "guidance_scale",
     "width", "height", "scheduler", "dtype", "variant", "timestep_spacing", "karras", "base", "loras",
-    "gate", "rerolls", "on_nsfw", "init_image_sha256", "strength",
+    "gate", "rerolls", "on_nsfw", "init_image_sha256", "strength", "mask_image_sha256",
 )
 # Pixel fields that enter the canonical JSON only when set, so ids made before they existed stay.
 OPTIONAL_PIXEL_FIELDS = ("variant", "timestep_spacing", "karras", "base", "loras", "gate", "rerolls", "on_nsfw",
-                         "init_image_sha256", "strength")
+                         "init_image_sha256", "strength", "mask_image_sha256")
 ON_NSFW = ("keep", "black", "drop")  # an image the safety checker flags: stored, stored black, not stored
 MAX_REROLLS = 16
 # A re-roll's seeds: attempt k renders with seed + k x REROLL_STRIDE (mod 2**32), not seed + k,
@@ -55,6 +55,7 @@ MAX_LORAS = 16
 # (diffusers' StableDiffusionImg2ImgPipeline's default).
 IMAGE_SCHEDULERS = ("ddim", "euler")
 DEFAULT_STRENGTH = 0.8
+DEFAULT_INPAINT_STRENGTH = 1.0  # StableDiffusionInpaintPipeline's: the masked area from noise alone
 SHA256_RE = re.compile(r"[0-9a-f]{64}")
 Lora = tuple[str, float]  # (reference, scale)
 # The canonical JSON a job id hashes: sorted keys, no spaces, UTF-8 as is. One encoder for
@@ -92,6 +93,8 @@ class JobSpec:
     init_image: str | None = None  # image to image: a path or storage URL the workers can read
     init_image_sha256: str | None = None  # its content's digest, filled by the producer: the id follows the pixels
     strength: float | None = None  # with init_image: how much of the schedule runs, (0, 1]
+    mask_image: str | None = None  # inpainting, with init_image: white repaints, black keeps
+    mask_image_sha256: str | None = None  # its content's digest, filled by the producer
 
     @functools.cached_property
     def job_id(self) -> str:
@@ -302,7 +305,7 @@ def parse_job(data: Mapping[str, Any], *, size_step: int = SIZE_STEP) -> JobSpec
     if on_nsfw not in (None, "keep") and "safety" not in (scores or ()):
         raise JobError("on_nsfw", on_nsfw, "needs the safety score: ask for it in scores")
     steps = check_int("steps", data.get("steps", 25), 1, 500)
-    init_image, digest, strength = _image(data, steps, scheduler)
+    init_image, digest, strength, mask, mask_digest = _image(data, steps, scheduler)
 
     return JobSpec._validated(
         prompt=prompt,
@@ -329,6 +332,8 @@ def parse_job(data: Mapping[str, Any], *, size_step: int = SIZE_STEP) -> JobSpec
         init_image=init_image,
         init_image_sha256=digest,
         strength=strength,
+        mask_image=mask,
+        mask_image_sha256=mask_digest,
     )
 
 
@@ -338,26 +343,47 @@ def image_start(steps: int, strength: float) -> int:
     return steps - min(int(steps * strength), steps)
 
 
-def _image(data: Mapping[str, Any], steps: int, scheduler: str | None) -> tuple[str | None, str | None, float | None]:
-    """An image job's init image reference, its digest (when given) and strength (default 0.8)."""
-    ref, digest, strength = data.get("init_image"), data.get("init_image_sha256"), data.get("strength")
+def job_strength(spec: JobSpec) -> float:
+    """An image job's strength: its own, or its kind's default (inpainting 1.0, else 0.8)."""
+    if spec.strength is not None:
+        return spec.strength
+    return DEFAULT_INPAINT_STRENGTH if spec.mask_image is not None else DEFAULT_STRENGTH
+
+
+def _image(data: Mapping[str, Any], steps: int,
+           scheduler: str | None) -> tuple[str | None, str | None, float | None, str | None, str | None]:
+    """An image job's init image reference, its digest (when given), strength (default 0.8,
+    1.0 with a mask), and its mask's reference and digest."""
+    ref, strength, mask = data.get("init_image"), data.get("strength"), data.get("mask_image")
     if ref is None:
-        for field, value in (("init_image_sha256", digest), ("strength", strength)):
-            if value is not None:
-                raise JobError(field, value, "needs an init_image")
-        return None, None, None
-    if not check_text("init_image", ref, MAX_MODEL_CHARS).strip():
-        raise JobError("init_image", ref, "must not be empty")
-    if digest is not None and not (isinstance(digest, str) and SHA256_RE.fullmatch(digest)):
-        raise JobError("init_image_sha256", digest, "must be 64 lowercase hex digits (the image's sha256)")
-    strength = DEFAULT_STRENGTH if strength is None else check_number("strength", strength, 0, 1)
+        for field in ("init_image_sha256", "strength", "mask_image", "mask_image_sha256"):
+            if data.get(field) is not None:
+                raise JobError(field, data[field], "needs an init_image")
+        return None, None, None, None, None
+    digest = _image_ref(data, "init_image")
+    mask_digest = _image_ref(data, "mask_image") if mask is not None else None
+    if mask is None and data.get("mask_image_sha256") is not None:
+        raise JobError("mask_image_sha256", data["mask_image_sha256"], "needs a mask_image")
+    if strength is None:
+        strength = DEFAULT_STRENGTH if mask is None else DEFAULT_INPAINT_STRENGTH
+    strength = check_number("strength", strength, 0, 1)
     if strength == 0:
         raise JobError("strength", strength, "must be in (0, 1]: above 0")
     if image_start(steps, strength) == steps:
         raise JobError("strength", strength, f"leaves no step of {steps}: int(steps * strength) must be at least 1")
     if scheduler is not None and scheduler not in IMAGE_SCHEDULERS:
         raise JobError("scheduler", scheduler, f"an image job runs {' or '.join(IMAGE_SCHEDULERS)}")
-    return ref, digest, float(strength)
+    return ref, digest, float(strength), mask, mask_digest
+
+
+def _image_ref(data: Mapping[str, Any], field: str) -> str | None:
+    """An image field's reference checked (non-empty text); its `<field>_sha256`, if given."""
+    ref, digest = data[field], data.get(f"{field}_sha256")
+    if not check_text(field, ref, MAX_MODEL_CHARS).strip():
+        raise JobError(field, ref, "must not be empty")
+    if digest is not None and not (isinstance(digest, str) and SHA256_RE.fullmatch(digest)):
+        raise JobError(f"{field}_sha256", digest, "must be 64 lowercase hex digits (the image's sha256)")
+    return digest
 
 
 def reroll_seed(seed: int, attempt: int) -> int:

@@ -127,21 +127,27 @@ def representable(job: dict[str, Any], model: LoadedModel) -> bool:
 
 @functools.cache
 def loaded(folder: str, variant: str | None) -> tuple[LoadedModel, Engine]:
-    """An oracle checkpoint and its engine, loaded (and compiled) once per session for every
-    test file that renders it: loading is the slow part on a CPU."""
+    """An oracle checkpoint (a folder under tests/data/oracle, or an absolute path) and its engine,
+    loaded (and compiled) once per session for every test file that renders it: loading is the
+    slow part on a CPU."""
     model = load_model(str(ORACLE / folder), variant=variant)
     return model, Engine(model)
 
 
 def spec(model: LoadedModel, job: dict[str, Any]) -> JobSpec:
     """A reference job for `model` (Flux's jobs name no negative prompt, scheduler or variant;
-    an image job names its init image relative to tests/data)."""
+    an image job names its init image and mask relative to tests/data)."""
     return JobSpec(prompt=job["prompt"], model=model.ref, seed=job["seed"], steps=job["steps"],
                    negative_prompt=job.get("negative_prompt") or "", guidance_scale=job["guidance_scale"],
                    width=job["width"], height=job["height"], scheduler=job.get("scheduler"), variant=job.get("variant"),
                    timestep_spacing=job.get("timestep_spacing"), karras=job.get("karras"), base=model.base,
-                   loras=model.loras, init_image=str(DATA / job["init_image"]) if job.get("init_image") else None,
+                   loras=model.loras, init_image=_data_path(job, "init_image"), mask_image=_data_path(job, "mask_image"),
                    strength=job.get("strength"))
+
+
+def _data_path(job: dict[str, Any], field: str) -> str | None:
+    """A reference job's image field, a path relative to tests/data, as the worker reads it."""
+    return str(DATA / job[field]) if job.get(field) else None
 
 
 def max_diffs(engine: Engine, model: LoadedModel, jobs: list[dict[str, Any]], images: Path = ORACLE) -> list[int]:
@@ -153,6 +159,18 @@ def max_diffs(engine: Engine, model: LoadedModel, jobs: list[dict[str, Any]], im
     return [int(np.abs(np.asarray(Image.open(images / job["image"]).convert("RGB"), np.int16)
                        - result.image.astype(np.int16)).max())
             for job, result in zip(jobs, rendered)]
+
+
+def one_program_matches(engine: Engine, model: LoadedModel, jobs: list[dict[str, Any]], batch: str) -> list[int]:
+    """An image batch (tests/data's img2img and inpaint sets, strengths mixed) rendered in one
+    shape key and at most one new program, each image within TOLERANCE of its reference; the
+    differences."""
+    compiles = engine.compiles
+    diffs = max_diffs(engine, model, jobs, images=DATA)
+    assert max(diffs) <= TOLERANCE, f"{batch}: max differences {diffs} (out of 255)"
+    assert engine.compiles - compiles <= 1  # every strength in one program
+    assert len({engine.check(spec(model, job)) for job in jobs}) == 1
+    return diffs
 
 
 def worst(images: list[np.ndarray], files: list[Path]) -> int:

@@ -1,7 +1,8 @@
-"""Image-to-image jobs against their reference, diffusers' StableDiffusionImg2ImgPipeline.
+"""Image-to-image jobs against their reference, diffusers' StableDiffusionImg2ImgPipeline
+(StableDiffusionXLImg2ImgPipeline for SDXL).
 
 `make oracle` (tests/oracle/img2img.py) rendered each job of tests/data/img2img/jobs.json from
-the tiny SD 1.x and 2.x checkpoints, an init image (one stored sideways with an EXIF
+the tiny SD 1.x, 2.x and XL checkpoints, an init image (one stored sideways with an EXIF
 orientation) and a strength, with the contract's two noises. Here the farm renders each set as
 one batch, strengths mixed, in one program: within 2/255 of PyTorch's. And the contract's
 rules: the id follows the image's content, a bad strength or image is refused naming it.
@@ -24,9 +25,8 @@ from tests.helpers import (
     ORACLE,
     TOLERANCE,
     loaded,
-    max_diffs,
+    one_program_matches,
     render_command,
-    spec,
     worst,
 )
 
@@ -43,11 +43,7 @@ def test_image_jobs_match_diffusers_pytorch(batch: str) -> None:
     jobs = BATCHES[batch]
     assert len({job["strength"] for job in jobs}) >= 3 and len({job["init_image"] for job in jobs}) == 2
     model, engine = loaded(jobs[0]["model"].removeprefix("oracle/"), None)
-    compiles = engine.compiles
-    diffs = max_diffs(engine, model, jobs, images=DATA)
-    assert max(diffs) <= TOLERANCE, f"{batch}: max differences {diffs} (out of 255)"
-    assert engine.compiles - compiles <= 1  # every strength in one program
-    assert len({engine.check(spec(model, job)) for job in jobs}) == 1
+    one_program_matches(engine, model, jobs, batch)
 
 
 @pytest.mark.oracle
@@ -69,9 +65,9 @@ def test_the_worker_refuses_an_image_job_its_model_or_scheduler_cannot_render() 
     with pytest.raises(JobError, match="an image job runs ddim or euler") as err:
         engine.check(job)  # the model's own scheduler, pndm, keeps a history
     assert (err.value.field, err.value.value) == ("scheduler", "pndm")
-    sdxl, sdxl_engine = loaded("sdxl/model", None)
+    flux, flux_engine = loaded(str(DATA / "flux" / "schnell" / "model"), None)
     with pytest.raises(JobError, match="renders text to image only") as err:
-        sdxl_engine.check(dataclasses.replace(job, model=sdxl.ref, scheduler="euler"))
+        flux_engine.check(dataclasses.replace(job, model=flux.ref, scheduler="flow_euler"))
     assert err.value.field == "init_image"
 
 

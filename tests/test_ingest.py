@@ -227,8 +227,9 @@ def _photo(path: Path, colour: tuple[int, int, int], size: tuple[int, int] = (20
 def test_an_image_column_makes_image_jobs_one_per_strength_with_the_image_digest_in_the_id(tmp_path: Path) -> None:
     _photo(tmp_path / "photos" / "a.png", (200, 10, 10))
     _photo(tmp_path / "photos" / "b.jpg", (10, 200, 10), (300, 300))
-    (tmp_path / "rows.csv").write_text("image,caption,strength\nphotos/a.png,a fox,\nphotos/b.jpg,a hare,0.9\n"
-                                       "photos/missing.png,lost,\n")
+    _photo(tmp_path / "photos" / "b-mask.png", (255, 255, 255), (100, 100))
+    (tmp_path / "rows.csv").write_text("image,caption,strength,mask_image\nphotos/a.png,a fox,,\n"
+                                       "photos/b.jpg,a hare,0.9,photos/b-mask.png\nphotos/missing.png,lost,,\n")
     s = spec(tmp_path, prompts="rows.csv", prompt_column="caption", image_column="image", images_per_prompt=2,
              strength=[0.3, 0.7], steps=10, scheduler="euler")
     bad: list = []
@@ -239,6 +240,8 @@ def test_an_image_column_makes_image_jobs_one_per_strength_with_the_image_digest
         ("a fox", 101, 0.3, 192, 128), ("a fox", 101, 0.7, 192, 128),
         ("a hare", 102, 0.9, 256, 256), ("a hare", 103, 0.9, 256, 256)]
     assert jobs[0].init_image == str(tmp_path / "photos" / "a.png")  # relative to the source file
+    assert (jobs[4].mask_image, jobs[0].mask_image) == (str(tmp_path / "photos" / "b-mask.png"), None)
+    assert jobs[4].mask_image_sha256 is not None and jobs[5].mask_image_sha256 == jobs[4].mask_image_sha256
     assert len({j.job_id for j in jobs}) == 6 and {j.init_image_sha256 for j in jobs[:4]} == {jobs[0].init_image_sha256}
     assert [(row.where, row.error.field) for row in bad] == [("line 4", "init_image")]
     assert scan_campaign(s).shapes[("org/m", 192, 128, 10, "euler", True, True)] == 4

@@ -35,12 +35,12 @@ from diffusion.schedulers import Scheduler, make
 from diffusion.scores import Scorers
 from renderfarm.images import check_init_image
 from renderfarm.jobs import (
-    DEFAULT_STRENGTH,
     IMAGE_SCHEDULERS,
     JobError,
     JobSpec,
     check_sampler,
     image_start,
+    job_strength,
     reroll_seed,
     sampler_label,
 )
@@ -61,11 +61,12 @@ class ShapeKey:
     timestep_spacing: str | None = None  # the job's; None: the model's scheduler config
     karras: bool | None = None  # the job's; None: the model's scheduler config
     image: bool = False  # image to image (any strength: the start step is an input)
+    mask: bool = False  # inpainting (with image)
 
     def __str__(self) -> str:
         sampler = sampler_label(self.scheduler, self.timestep_spacing, self.karras)
-        return (f"{self.width}x{self.height}@{self.steps} {sampler}{'' if self.guided else ' cfg-free'}"
-                f"{' img2img' if self.image else ''}")
+        kind = " inpaint" if self.mask else " img2img" if self.image else ""
+        return f"{self.width}x{self.height}@{self.steps} {sampler}{'' if self.guided else ' cfg-free'}{kind}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,6 +240,11 @@ class Engine:
             raise JobError("scheduler", scheduler, f"a {family.name} model runs {', '.join(family.schedulers)}")
         check_sampler(scheduler, spec.timestep_spacing, spec.karras)
         width, height = spec.width or native, spec.height or native
+        if self.model.inpainting_unet and spec.mask_image is None:
+            raise JobError("mask_image", None, "this model's UNet inpaints (it takes a mask and a masked image): "
+                                               "its jobs need an init_image and a mask_image")
+        if spec.mask_image is not None and not family.inpainting:
+            raise JobError("mask_image", spec.mask_image, f"a {family.name} model cannot inpaint")
         if spec.init_image is not None:
             if not family.image_to_image:
                 raise JobError("init_image", spec.init_image, f"a {family.name} model renders text to image only")
@@ -249,7 +255,8 @@ class Engine:
                 width, height = sized.width, sized.height
         return ShapeKey(width, height, spec.steps, scheduler,
                         guided=family.classifier_free and self.model.guidance_scale(spec) > 1,
-                        timestep_spacing=spec.timestep_spacing, karras=spec.karras, image=spec.init_image is not None)
+                        timestep_spacing=spec.timestep_spacing, karras=spec.karras, image=spec.init_image is not None,
+                        mask=spec.mask_image is not None)
 
     def plan(self, specs: Sequence[JobSpec]) -> list[tuple[ShapeKey, list[int]]]:
         """Group job indices by shape key (first-seen order) and cut them into batches."""
@@ -318,9 +325,10 @@ class Engine:
         start, hits = time.perf_counter(), JAX_EVENTS[CACHE_HIT]
         try:
             lowered = lower_generate(self.model.family, self.model.networks, self.scheduler(key),
-                                     Static(key.height, key.width, key.steps, key.guided, key.image), self.placement,
-                                     self._params, self.model.abstract_inputs(self.batch_size, self._sharded,
-                                                                              (key.height, key.width) if key.image else None))
+                                     Static(key.height, key.width, key.steps, key.guided, key.image, key.mask),
+                                     self.placement, self._params,
+                                     self.model.abstract_inputs(self.batch_size, self._sharded,
+                                                                (key.height, key.width) if key.image else None, key.mask))
         except FlaxError as err:  # weights put together by hand, not by the loader, which checks them
             raise JobError("model", self.model.ref, f"weights do not match its config: {err}") from err
         program = lowered.compile()
@@ -393,13 +401,15 @@ class Engine:
 
     def _inputs(self, key: ShapeKey, jobs: list[JobSpec]) -> tuple[Any, list[bool]]:
         """The family's inputs of a padded batch, sharded over the devices (whatever the pytree);
-        an image batch's with each job's init image (read ahead: `prefetch`) and start step."""
+        an image batch's with each job's init image and mask (read ahead: `prefetch`) and start step."""
         padded = jobs + [jobs[-1]] * (self.batch_size - len(jobs))
         host, truncated = self.model.inputs([j.prompt for j in padded], [j.negative_prompt for j in padded],
                                             [j.seed for j in padded], [self.model.guidance_scale(j) for j in padded])
         if key.image:
-            host = ImageInputs(host, np.stack([self.init_images.pixels(j, key.width, key.height) for j in padded]),
-                               np.array([image_start(j.steps, j.strength or DEFAULT_STRENGTH) for j in padded], np.int32))
+            read = [self.init_images.pixels(j, key.width, key.height) for j in padded]
+            host = ImageInputs(host, np.stack([pixels for pixels, _ in read]),
+                               np.array([image_start(j.steps, job_strength(j)) for j in padded], np.int32),
+                               np.stack([mask for _, mask in read]) if key.mask else None)
         return jax.device_put(host, self._sharded), truncated[:len(jobs)]
 
     def dispatch(self, key: ShapeKey, jobs: list[JobSpec]) -> tuple[Output, list[bool]]:

@@ -40,7 +40,7 @@ def generate(nets: Networks, scheduler: Scheduler, static: Static, params: Any, 
 
 FAMILY = Family(
     name="sd",
-    pipelines=("StableDiffusionPipeline", "FlaxStableDiffusionPipeline"),
+    pipelines=("StableDiffusionPipeline", "FlaxStableDiffusionPipeline", "StableDiffusionInpaintPipeline"),
     components={"text_encoder": Component(CLIPTextModel, CLIPTextConfig, "clip"),
                 "unet": Component(UNet2DConditionModel, UNetConfig, "unet"),
                 "vae": Component(AutoencoderKL, VAEConfig, "vae")},
@@ -53,4 +53,5 @@ FAMILY = Family(
     tiny=write_latent_unet_model,
     tensor_parallel={"unet": latent_unet.UNET_TENSOR_PARALLEL},
     image_to_image=True,
+    inpainting=True,
 )

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from diffusion.families import latent_unet
 from diffusion.family import Component, Family, Networks
-from diffusion.generate import Inputs, Output, Static, denoise_and_decode, guided_rows
+from diffusion.generate import ImageInputs, Inputs, Output, Static, denoise_and_decode, guided_rows
 from diffusion.nn.clip import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 from diffusion.nn.unet import UNet2DConditionModel, UNetConfig
 from diffusion.nn.vae import AutoencoderKL, VAEConfig
@@ -25,21 +25,22 @@ from diffusion.tokenizer import CLIPTokenizer
 FORCE_ZEROS = "force_zeros_for_empty_prompt"
 
 
-def generate(nets: Networks, scheduler: Scheduler, static: Static, params: Any, inputs: Inputs) -> Output:
+def generate(nets: Networks, scheduler: Scheduler, static: Static, params: Any, inputs: Inputs | ImageInputs) -> Output:
     first, second = nets["text_encoder"], nets["text_encoder_2"]
+    text = inputs.text if static.image else inputs
 
     def encode(ids: jax.Array) -> tuple[jax.Array, jax.Array]:
         one = first.apply({"params": params["text_encoder"]}, ids[:, 0])
         two = second.apply({"params": params["text_encoder_2"]}, ids[:, 1])
         return jnp.concatenate([one.penultimate, two.penultimate], axis=-1), two.text_embeds
 
-    context, pooled = encode(inputs.prompt_ids)
+    context, pooled = encode(text.prompt_ids)
     size = (static.height, static.width)
     time_ids = jnp.broadcast_to(jnp.array([*size, 0, 0, *size], jnp.float32), (context.shape[0], 6))
     if static.guided:
-        negative, negative_pooled = encode(inputs.negative_ids)
+        negative, negative_pooled = encode(text.negative_ids)
         if nets.option(FORCE_ZEROS):
-            keep = inputs.has_negative
+            keep = text.has_negative
             negative = jnp.where(keep[:, None, None], negative, 0)
             negative_pooled = jnp.where(keep[:, None], negative_pooled, 0)
         context = guided_rows(negative, context)
@@ -65,4 +66,5 @@ FAMILY = Family(
     tiny=write_latent_unet_model,
     tensor_parallel={"unet": latent_unet.UNET_TENSOR_PARALLEL},
     options=((FORCE_ZEROS, True),),
+    image_to_image=True,
 )

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 PARTS = ("pipelines", "tokenizer", "schedulers", "nn", "weights", "samplers", "single_file", "lora", "flux",
-         "flux_files", "flux_lora", "t5_tokenizer", "scores", "img2img")
+         "flux_files", "flux_lora", "t5_tokenizer", "scores", "img2img", "inpaint")
 
 
 def main(argv: list[str]) -> int:

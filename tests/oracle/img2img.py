@@ -1,4 +1,5 @@
-"""Reference images for image-to-image jobs: diffusers' `StableDiffusionImg2ImgPipeline`.
+"""Reference images for image-to-image jobs: diffusers' `StableDiffusionImg2ImgPipeline`
+(`StableDiffusionXLImg2ImgPipeline` for sdxl, no aesthetic score: its size conditions the job's size).
 
 `write(data)` rebuilds `data/img2img/` from the tiny SD checkpoints tests/oracle/pipelines.py wrote
 (`data/oracle/<family>/model`, read back with `from_pretrained`, never rebuilt here):
@@ -13,7 +14,7 @@ resized to the job's size by the pipeline's own `image_processor.resize` (PIL la
 draws two noises from its generator; here both are the contract's (docs/design.md): the VAE's latent
 sample `normal(fold_in(PRNGKey(seed), 2**20))` (`randn_tensor` of diffusers' vae module) and the
 noise `add_noise` mixes in, the contract's initial latents `normal(PRNGKey(seed))` (`randn_tensor`
-of the img2img pipeline's module). The jobs of a set share a batch on the farm, strengths mixed.
+of the img2img pipeline's module, the XL one's for sdxl). The jobs of a set share a batch on the farm, strengths mixed.
 """
 
 from __future__ import annotations
@@ -30,10 +31,13 @@ import jax.numpy as jnp
 import numpy as np
 import PIL.Image
 import torch
-from diffusers import StableDiffusionImg2ImgPipeline
+from diffusers import StableDiffusionImg2ImgPipeline, StableDiffusionXLImg2ImgPipeline
 from diffusers.models.autoencoders import vae as vae_module
 from diffusers.pipelines.stable_diffusion import (
     pipeline_stable_diffusion_img2img as img2img_module,
+)
+from diffusers.pipelines.stable_diffusion_xl import (
+    pipeline_stable_diffusion_xl_img2img as xl_img2img_module,
 )
 from diffusers.utils import load_image
 
@@ -43,7 +47,7 @@ from tests.oracle.schedulers import CLASSES
 
 LATENT_SAMPLE_FOLD = 2**20  # diffusion.generate.LATENT_SAMPLE_FOLD (the oracle imports nothing of the farm)
 SCHEDULERS = ("ddim", "euler")  # the schedulers image jobs run (renderfarm.jobs.IMAGE_SCHEDULERS)
-FAMILIES = ("sd1", "sd2")
+FAMILIES = ("sd1", "sd2", "sdxl")
 # One batch per (family, scheduler): strengths and images mixed. With 4 steps, strength s starts at
 # loop index 4 - int(4 s): 0.3 -> 3, 0.5 -> 2, 0.8 -> 1, 1.0 -> 0.
 JOBS: tuple[dict[str, Any], ...] = (
@@ -80,11 +84,15 @@ def _contract(key: jax.Array, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def contract_draws(seed: int) -> Iterator[None]:
-    """The pipeline's two draws replaced by the contract's: the VAE's latent sample, then the added noise."""
+def contract_draws(seed: int, pipeline_module: Any = img2img_module,
+                   vae_folds: tuple[int, ...] = (LATENT_SAMPLE_FOLD,)) -> Iterator[None]:
+    """The pipeline's draws replaced by the contract's: the VAE's latent samples, in the order the
+    pipeline encodes, each from its fold of the job's key; the noise the pipeline's module draws,
+    the contract's latents. Every fold must be drawn."""
     key = jax.random.PRNGKey(seed)
-    draws = {vae_module: lambda shape: _contract(jax.random.fold_in(key, LATENT_SAMPLE_FOLD), shape),
-             img2img_module: lambda shape: _contract(key, shape)}
+    folds = list(vae_folds)
+    draws = {vae_module: lambda shape: _contract(jax.random.fold_in(key, folds.pop(0)), shape),
+             pipeline_module: lambda shape: _contract(key, shape)}
     originals = {module: module.randn_tensor for module in draws}
     for module, draw in draws.items():
         module.randn_tensor = lambda shape, *_, dtype=None, _draw=draw, **__: _draw(tuple(shape)).to(dtype=dtype)
@@ -93,29 +101,46 @@ def contract_draws(seed: int) -> Iterator[None]:
     finally:
         for module, original in originals.items():
             module.randn_tensor = original
+    if folds:
+        raise AssertionError(f"the pipeline drew fewer VAE samples than the contract's folds {vae_folds}")
 
 
-def render(pipe: StableDiffusionImg2ImgPipeline, data: pathlib.Path, job: dict[str, Any], size: tuple[int, int]) -> np.ndarray:
+def render(pipe: StableDiffusionImg2ImgPipeline | StableDiffusionXLImg2ImgPipeline, data: pathlib.Path,
+           job: dict[str, Any], size: tuple[int, int]) -> np.ndarray:
     """One image job: (height, width, 3) uint8."""
     width, height = size
     image = pipe.image_processor.resize(load_image(str(data / job["init_image"])), height, width)
-    with torch.no_grad(), contract_draws(job["seed"]):
+    module = xl_img2img_module if isinstance(pipe, StableDiffusionXLImg2ImgPipeline) else img2img_module
+    with torch.no_grad(), contract_draws(job["seed"], module):
         out = pipe(job["prompt"], image=image, strength=job["strength"], negative_prompt=job["negative_prompt"],
                    num_inference_steps=STEPS, guidance_scale=job["guidance_scale"], output_type="np").images[0]
     return (out * 255).round().astype(np.uint8)
 
 
-def write(data: pathlib.Path) -> None:
-    """Rebuild data/img2img (see the module docstring)."""
+def emptied(data: pathlib.Path, part: str) -> pathlib.Path:
+    """An image part's folder under data/, emptied, with torch quiet and deterministic."""
     pipelines.quiet_and_deterministic()
-    root = data / "img2img"
+    root = data / part
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
+    return root
+
+
+def write_jobs(root: pathlib.Path, about: str, records: list[dict[str, Any]]) -> None:
+    """A part's jobs.json: what it holds, the libraries' versions and every job."""
+    doc = {"about": about, "versions": pipelines.versions(), "jobs": records}
+    (root / "jobs.json").write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def write(data: pathlib.Path) -> None:
+    """Rebuild data/img2img (see the module docstring)."""
+    root = emptied(data, "img2img")
     _init_images(root)
     records: list[dict[str, Any]] = []
     for family in FAMILIES:
         text = pipelines.load(data / "oracle" / family / "model", family)
-        pipe = StableDiffusionImg2ImgPipeline(**text.components)
+        pipe = (StableDiffusionXLImg2ImgPipeline(**text.components, add_watermarker=False) if family == "sdxl"
+                else StableDiffusionImg2ImgPipeline(**text.components))
         pipe.set_progress_bar_config(disable=True)
         for scheduler in SCHEDULERS:
             # as tests/oracle/pipelines.render makes it: afresh, from the model's own config
@@ -126,7 +151,5 @@ def write(data: pathlib.Path) -> None:
                 records.append(pipelines.job_record(
                     f"img2img/{family}/{scheduler}", index, f"oracle/{family}/model", None, scheduler, job, STEPS,
                     NATIVE, image, init_image=job["init_image"], strength=job["strength"]))
-    doc = {"about": "StableDiffusionImg2ImgPipeline on the tiny checkpoints, float32, CPU, batch size 1, with "
-                    "the contract's noises (tests/oracle/img2img.py); paths relative to tests/data.",
-           "versions": pipelines.versions(), "jobs": records}
-    (root / "jobs.json").write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    write_jobs(root, "StableDiffusionImg2ImgPipeline (StableDiffusionXLImg2ImgPipeline for sdxl) on the tiny checkpoints, float32, CPU, batch size 1, with "
+                     "the contract's noises (tests/oracle/img2img.py); paths relative to tests/data.", records)

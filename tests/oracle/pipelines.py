@@ -268,9 +268,10 @@ def _text_encoder(config: CLIPTextConfig, seed: int, with_projection: bool) -> t
     return model.eval()
 
 
-def _unet(family: str, seed: int) -> UNet2DConditionModel:
+def unet(family: str, seed: int, in_channels: int = 4) -> UNet2DConditionModel:
+    """The tiny UNet of `family`; an inpainting one takes 9 channels (latents, mask, masked image's latents)."""
     torch.manual_seed(seed)
-    model = UNet2DConditionModel(**_unet_config(family))
+    model = UNet2DConditionModel(**{**_unet_config(family), "in_channels": in_channels})
     _liven_norms_and_biases(model)
     with torch.no_grad():
         for name, module in model.named_modules():
@@ -309,7 +310,7 @@ def build(family: str) -> StableDiffusionPipeline | StableDiffusionXLPipeline:
                 vae=_vae_model(0.18215, seed + 3),
                 text_encoder=text_encoder,
                 tokenizer=tokenizer,
-                unet=_unet(family, seed + 2),
+                unet=unet(family, seed + 2),
                 scheduler=_scheduler_from_real_config(family),
                 safety_checker=None,
                 feature_extractor=None,
@@ -325,7 +326,7 @@ def build(family: str) -> StableDiffusionPipeline | StableDiffusionXLPipeline:
             ),
             tokenizer=tokenizer,
             tokenizer_2=tokenizer_2,
-            unet=_unet(family, seed + 2),
+            unet=unet(family, seed + 2),
             scheduler=_scheduler_from_real_config(family),
             force_zeros_for_empty_prompt=True,
             add_watermarker=False,
