@@ -120,7 +120,7 @@ def device_plan(name: str, smoke: bool) -> dict[str, Any]:
     size, steps, batch = published["vae"]["sample_size"], run.steps, run.batch
     if smoke:
         if run.family == "flux":  # a T5 table of 256 rows holds the tiny T5 tokenizer
-            configs = {**tiny_configs(514, 256)}
+            configs = tiny_configs(514, 256)
             configs["transformer"] = {**configs["transformer"],
                                       "guidance_embeds": published["transformer"]["guidance_embeds"]}
         else:  # the tiny CLIP tokenizers have 514 tokens
@@ -128,8 +128,9 @@ def device_plan(name: str, smoke: bool) -> dict[str, Any]:
             if run.family == "sdxl":
                 configs["text_encoder_2"] = text_config(514, hidden_act="gelu")
         size, steps, batch = SMOKE["size"], SMOKE["steps"], SMOKE["batch"]
+    options = {key: value for key, value in published["model_index"].items() if key != "_class_name"}
     return {**asdict(run), "name": name, "size": size, "steps": steps, "batch": batch, "configs": configs,
-            "scheduler_config": published["scheduler"]}
+            "scheduler_config": published["scheduler"], "options": options}
 
 
 def _device_specs(folder: Path, plan: dict[str, Any], dtype: str, count: int, offset: int) -> list[Any]:
@@ -383,7 +384,8 @@ def part_device(args: argparse.Namespace) -> None:
                 plan["batch"] = getattr(args, f"{name.replace('-', '_')}_batch")
             folder = workdir / name
             figures: dict[str, Any] = {"dtype": dtype, "plan": {k: v for k, v in plan.items() if k != "configs"}}
-            figures["folder"] = write_torch_pipeline(folder, plan["family"], plan["configs"], plan["scheduler_config"])
+            figures["folder"] = write_torch_pipeline(folder, plan["family"], plan["configs"], plan["scheduler_config"],
+                                                     options=plan["options"])
             job = {"model": name, "plan": plan, "folder": str(folder), "dtype": dtype, "batches": batches,
                    "cache": str(run / f"cache-{name}"), "compile_peer": args.compile_peer, "smoke": args.smoke}
             if args.peer:  # first: it frees the device when it exits

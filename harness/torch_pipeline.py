@@ -111,11 +111,13 @@ def _tokenizers(out: Path, family: Any) -> tuple[dict[str, str], int]:
 
 
 def write_torch_pipeline(out: Path, family_name: str, configs: dict[str, dict[str, Any]],
-                         scheduler: dict[str, Any], seed: int = 0) -> dict[str, Any]:
-    """A diffusers folder of family `family_name` in PyTorch's format: model_index.json, each
-    component's config.json (from `configs`) and float16 safetensors of random weights, the
-    tokenizers, the scheduler config. Kept: a second call with the same arguments returns at
-    once. Returns whether it wrote, the seconds and the weights' bytes."""
+                         scheduler: dict[str, Any], seed: int = 0,
+                         options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A diffusers folder of family `family_name` in PyTorch's format: model_index.json (with the
+    pipeline's `options`, such as SDXL's `force_zeros_for_empty_prompt`), each component's
+    config.json (from `configs`) and float16 safetensors of random weights, the tokenizers, the
+    scheduler config. Kept: a second call with the same arguments returns at once. Returns
+    whether it wrote, the seconds and the weights' bytes."""
     from flax.traverse_util import flatten_dict
 
     from diffusion.convert import torch_name, torch_shape
@@ -123,7 +125,7 @@ def write_torch_pipeline(out: Path, family_name: str, configs: dict[str, dict[st
     from diffusion.nn import parameter_shapes
     from diffusion.tiny_parts import DIFFUSERS_KINDS
 
-    digest = hashlib.sha256(json.dumps([family_name, configs, scheduler, seed, WRITER_VERSION],
+    digest = hashlib.sha256(json.dumps([family_name, configs, scheduler, seed, options, WRITER_VERSION],
                                        sort_keys=True).encode()).hexdigest()
     marker = out / ".complete"
     if marker.is_file() and marker.read_text() == digest:
@@ -133,10 +135,10 @@ def write_torch_pipeline(out: Path, family_name: str, configs: dict[str, dict[st
     family = FAMILIES[family_name]
     tokenizers, clip_vocab = _tokenizers(out, family)
     index: dict[str, Any] = {"_class_name": family.pipelines[0], "_diffusers_version": _DIFFUSERS_VERSION,
-                             "scheduler": ["diffusers", scheduler["_class_name"]]}
+                             "scheduler": ["diffusers", scheduler["_class_name"]], **(options or {})}
     index |= {name: ["transformers", _TOKENIZER_CLASSES[kind]] for name, kind in tokenizers.items()}
     if family_name == "sd":
-        index |= {"safety_checker": [None, None], "feature_extractor": [None, None], "requires_safety_checker": False}
+        index |= {"safety_checker": [None, None], "feature_extractor": [None, None]}
     values = RandomValues(seed)
     for name, component in sorted(family.components.items()):
         config = dict(configs[name])

@@ -89,7 +89,9 @@ def test_a_written_sd_folder_loads_with_real_embedding_rows(tmp_path: Path) -> N
 
     configs = tiny("sd")
     configs["text_encoder"] = {**configs["text_encoder"], "vocab_size": 1000}
-    write_torch_pipeline(tmp_path / "sd", "sd", configs, PNDM)
+    write_torch_pipeline(tmp_path / "sd", "sd", configs, PNDM, options={"requires_safety_checker": False})
+    index = json.loads((tmp_path / "sd" / "model_index.json").read_text())
+    assert index["requires_safety_checker"] is False and index["safety_checker"] == [None, None]
     text = json.loads((tmp_path / "sd" / "text_encoder" / "config.json").read_text())
     assert (text["vocab_size"], text["eos_token_id"]) == (1000, 513)
     model = load_model(str(tmp_path / "sd"), "float32")
