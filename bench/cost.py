@@ -147,19 +147,19 @@ def print_splits(costs: list[Cost]) -> None:
         print(f"  {c.name:13} {c.parameters / 1e9:6.2f} B parameters, {weights / 1e9:6.2f} GB: {', '.join(splits)}")
 
 
-def memory(names: list[str], batches: tuple[int, int] = (1, 2)) -> None:
+def memory(names: list[str], dtype: str = "float32", batches: tuple[int, int] = (1, 2)) -> None:
     """The largest per-device batch, by arithmetic: (usable - weights in bfloat16 - fixed temp) /
-    temp per image, the temps from XLA's memory_analysis of the float32 program compiled here for
-    one device at `batches` images. float32 because XLA:CPU keeps float32 copies of bfloat16
-    weights for its matmuls, which would hide the activations (and which GPUs and TPUs never
-    make); attention traced as the memory-bounded "chunked" kernel, the stand-in for the flash
+    temp per image, the temps from XLA's memory_analysis of the program compiled here in `dtype`
+    for one device at `batches` images. float32 by default because XLA:CPU keeps float32 copies
+    of bfloat16 weights for its matmuls, which would hide the activations (and which GPUs and
+    TPUs never make; `dtype` bfloat16 shows them); attention traced as the memory-bounded "chunked" kernel, the stand-in for the flash
     kernels, which never hold a whole score matrix either."""
     from diffusion.nn.attention import use_kernel
 
     chips = [TARGETS["h100"], TARGETS["tpu-v5e-8"]]
-    print("\nlargest per-device batch, by arithmetic (float32 programs compiled on this CPU)")
+    print(f"\nlargest per-device batch, by arithmetic ({dtype} programs compiled on this CPU)")
     for name in names:
-        model = abstract_model(name, "float32")
+        model = abstract_model(name, dtype)
         size, steps = model.native_size, STEPS[name][0]
         temps = {}
         for batch in batches:
@@ -211,6 +211,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(STEPS), help=f"comma-separated, of {', '.join(ARCHITECTURES)}")
     parser.add_argument("--memory", action="store_true", help="the largest batch per device (CPU compiles, minutes)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="--memory: the programs' dtype (float32: XLA:CPU's bfloat16 programs hold float32 weights)")
     parser.add_argument("--scores", action="store_true", help="the device scores' FLOPs beside each render")
     args = parser.parse_args()
     names = [n for n in args.models.split(",") if n]
@@ -225,7 +227,7 @@ def main() -> None:
     if args.scores:
         print_scores(costs)
     if args.memory:
-        memory(names)
+        memory(names, args.dtype)
 
 
 if __name__ == "__main__":

@@ -451,7 +451,8 @@ def direct_flow(model_dir: str, steps: int, out: Path) -> Callable[[list[str]], 
     def run(prompts: list[str]) -> None:
         for i in range(0, len(prompts), n):
             prompt_ids = shard(pipeline.prepare_inputs(prompts[i:i + n]))
-            images = pipeline(prompt_ids, p_params, rng, num_inference_steps=steps, jit=True).images
+            with quiet_diffusers():
+                images = pipeline(prompt_ids, p_params, rng, num_inference_steps=steps, jit=True).images
             images = images.reshape((images.shape[0] * images.shape[1],) + images.shape[-3:])
             for k, image in enumerate(pipeline.numpy_to_pil(np.asarray(images))):
                 image.save(out / f"{i + k}.png")
