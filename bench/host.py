@@ -12,6 +12,9 @@ Parts (`PYTHONPATH=. python bench/host.py [PART ...] [flags]`; no part runs `png
   called back to back with no host work at all, and the worker's CPU split by thread.
 - farm: one farm worker against `renderfarm render` of the same jobs (tiny SD, 25 steps).
 - dedup: `renderfarm export --dedup 4`'s near-duplicate search on a million perceptual hashes.
+- reads: image jobs whose sources sit in a bucket (the GCS emulator) behind a proxy that holds
+  each read `--latency` seconds: the engine's read-ahead (worker/sources.py) against the
+  sources already read (the devices alone) and against reading them as each batch starts.
 """
 
 from __future__ import annotations
@@ -314,8 +317,86 @@ def part_dedup(args: argparse.Namespace) -> None:
           f"{time.perf_counter() - started:.1f} s")
 
 
+# -- reads: image jobs' sources behind a slow bucket ------------------------------------------------------
+
+
+def source_urls(bucket: str, n: int) -> list[str]:
+    """`n` distinct 256x256 sources in the bucket, as URLs."""
+    from PIL import Image
+
+    from renderfarm.storage import open_storage
+
+    storage = open_storage(f"gs://{bucket}/sources")
+    urls = []
+    for i in range(n):
+        out = io.BytesIO()
+        Image.effect_noise((256, 256), 40 + i).convert("RGB").save(out, format="PNG")
+        storage.put(f"{i:04d}.png", out.getvalue(), "image/png")
+        urls.append(storage.url(f"{i:04d}.png"))
+    return urls
+
+
+def render_seconds(engine: Any, specs: list[Any], read_ahead: bool) -> float:
+    """Seconds to render `specs` (compiled already): as the engine does (`iter_render`, which
+    reads ahead), or with each batch's sources read when it starts."""
+    plan = engine.plan(specs)
+    start = time.perf_counter()
+    if read_ahead:
+        for _ in engine.iter_render(specs, plan):
+            pass
+        return time.perf_counter() - start
+    pending = None
+    for key, idx in plan:
+        started = engine.start(specs, key, idx)
+        if pending is not None:
+            engine.collect(pending)
+        pending = started
+    engine.collect(pending)
+    return time.perf_counter() - start
+
+
+def part_reads(args: argparse.Namespace) -> None:
+    """The oracle's tiny SD 1.x checkpoint, 64x64 image-to-image jobs at strength 0.6, `--steps`
+    long enough for a batch to hide the next one's reads."""
+    from diffusion.models import load_model
+    from harness.fault_proxies import GcsProxy, Rule
+    from harness.gcs_emulator import GcsEmulator
+    from renderfarm.images import check_init_image
+    from renderfarm.jobs import JobSpec
+    from worker.engine import Engine
+    from worker.sources import InitImages
+
+    engine = Engine(load_model(str(Path(__file__).resolve().parent.parent / "tests" / "data" / "oracle" / "sd1" /
+                                   "model")))
+    with GcsEmulator() as emulator:
+        emulator.create_bucket("sources")
+        os.environ["STORAGE_EMULATOR_HOST"] = emulator.url
+        urls = source_urls("sources", engine.batch_size * args.batches)
+        proxy = GcsProxy(emulator.url)
+        proxy.add(Rule(r"^sources/.*\.png$", method="GET", after=lambda seen: time.sleep(args.latency)))
+        os.environ["STORAGE_EMULATOR_HOST"] = proxy.url
+        specs = [check_init_image(JobSpec(prompt=f"a harbour {i}", model=engine.model.ref, seed=i, steps=args.reads_steps,
+                                          scheduler="euler", width=64, height=64, strength=0.6, init_image=url), 64)
+                 for i, url in enumerate(urls)]
+        engine.compiled(engine.check(specs[0]))
+        engine.prefetch(specs, engine.check(specs[0]))
+        render_seconds(engine, specs, read_ahead=False)  # warm: every source read, the program run once
+        floor = render_seconds(engine, specs, read_ahead=False)
+        engine.init_images = InitImages()
+        ahead = render_seconds(engine, specs, read_ahead=True)
+        engine.init_images = InitImages(threads=1)
+        serial = render_seconds(engine, specs, read_ahead=False)
+        proxy.close()
+    reads = len(specs)
+    print(f"{reads} image jobs in {args.batches} batches of {engine.batch_size}, {args.reads_steps} steps, "
+          f"each source read held {args.latency * 1000:.0f} ms by the proxy ({reads * args.latency:.1f} s of reads)")
+    print(f"  sources already read (the devices alone): {floor:.2f} s")
+    print(f"  read ahead on threads:                    {ahead:.2f} s ({ahead - floor:+.2f} s)")
+    print(f"  read one by one as each batch starts:     {serial:.2f} s ({serial - floor:+.2f} s)")
+
+
 PARTS = {"png": part_png, "tokenizer": part_tokenizer, "overlap": part_overlap, "farm": part_farm,
-         "dedup": part_dedup}
+         "dedup": part_dedup, "reads": part_reads}
 
 
 def main() -> None:
@@ -326,6 +407,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="overlap: steps")
     parser.add_argument("--rounds", type=int, default=5, help="overlap: rounds")
     parser.add_argument("--hashes", type=int, default=1_000_000, help="dedup: hashes")
+    parser.add_argument("--latency", type=float, default=0.25, help="reads: seconds the proxy holds each image read")
+    parser.add_argument("--batches", type=int, default=4, help="reads: batches of image jobs")
+    parser.add_argument("--reads-steps", type=int, default=100,
+                        help="reads: steps (batches long enough to hide a batch of reads)")
     args = parser.parse_args()
     unknown = [part for part in args.parts if part not in PARTS]
     if unknown:

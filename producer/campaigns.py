@@ -5,7 +5,9 @@ is resumed by running it again.
 Seeds derive from the spec, never from chance: row i (its position in the source, bad rows
 included, so a bad row shifts no other row's seeds), image k gets
 `base_seed + i * images_per_prompt + k`. The job id hashes the pixels-defining fields, so the
-same spec gives the same jobs and the same object names every time.
+same spec gives the same jobs and the same object names every time. An image job's id hashes
+its init image's bytes: a changed file is a new job. A list of strengths makes one job per
+strength of each row's image k, all with its seed.
 
 A run makes two streaming passes over the source (flat memory at any size): the first
 validates every row, counts the jobs and collects the bad rows (with --strict, a bad row
@@ -27,9 +29,11 @@ import yaml
 from producer.submit import Submission, enqueue_jobs
 from producer.templates import MODES, check_templates, expand
 from producer.window import Feeder, check_window
+from renderfarm.images import IMAGE_SUFFIXES, check_init_image
 from renderfarm.ingest import SourceReader, SourceRow, row_unit
 from renderfarm.jobs import (
     SEED_LIMIT,
+    SIZE_STEP,
     JobError,
     JobSpec,
     Lora,
@@ -49,8 +53,8 @@ JOB_FIELDS = ("negative_prompt", "steps", "guidance_scale", "width", "height", "
               "karras", "dtype", "variant", "base", "loras", "scores", "gate", "rerolls", "on_nsfw",
               "priority")
 # A compiled program the jobs need: model, width, height, steps, sampler (sampler_label), guided
-# (classifier-free guidance: scale > 1)
-NeededProgram = tuple[str, int | None, int | None, int, str, bool]
+# (classifier-free guidance: scale > 1), image to image
+NeededProgram = tuple[str, int | None, int | None, int, str, bool, bool]
 
 
 class SpecError(JobError):
@@ -74,7 +78,10 @@ class CampaignSpec:
     base_seed: int
     prompts: str | None = None  # a .txt, .csv, .parquet or .jsonl file ...
     prompt_column: str = "prompt"
-    templates: tuple[str, ...] = ()  # ... or dynamicprompts templates
+    image_column: str = "init_image"  # a table's column of init images (paths relative to the file)
+    templates: tuple[str, ...] = ()  # ... or dynamicprompts templates ...
+    images: str | None = None  # ... or a folder or storage prefix of init images, each a row ...
+    prompt: str | None = None  # ... with this prompt
     wildcards: str | None = None
     mode: str = "combinatorial"
     samples: int | None = None
@@ -98,6 +105,7 @@ class CampaignSpec:
     rerolls: int | None = JobSpec.rerolls  # renders again while the gate fails, at most this often
     on_nsfw: str | None = JobSpec.on_nsfw  # keep, black or drop an image the safety checker flags
     priority: int | None = JobSpec.priority
+    strength: tuple[float, ...] | None = None  # image jobs: one job per strength of each image
     schedule: str | None = None  # cron expression, for `renderfarm schedule`
     window: int | None = None  # at most this many jobs queued or running (producer/window.py)
 
@@ -111,8 +119,10 @@ class CampaignSpec:
                 raise JobError(key, getattr(self, key), "must be a non-empty string")
         check_int("base_seed", self.base_seed, 0, SEED_LIMIT - 1)
         check_int("images_per_prompt", self.images_per_prompt, 1, SEED_LIMIT)
-        parse_job({"prompt": "-", "model": self.model, "seed": self.base_seed, "campaign": self.name,
-                   **self.job_defaults()})  # every job parameter, by the job contract's rules
+        for strength in self.strength or (None,):  # every job parameter, by the job contract's rules
+            parse_job({"prompt": "-", "model": self.model, "seed": self.base_seed, "campaign": self.name,
+                       **self.job_defaults(), **({} if strength is None else
+                                                 {"init_image": "-", "strength": strength})})
         self._check_source()
         if self.schedule is not None:
             _check_cron(self.schedule)
@@ -120,17 +130,27 @@ class CampaignSpec:
             check_window(self.window)
 
     def _check_source(self) -> None:
-        if (self.prompts is None) == (not self.templates):
+        if [self.prompts is not None, bool(self.templates), self.images is not None].count(True) != 1:
             raise JobError("prompts", self.prompts, "give exactly one source: `prompts: FILE`, "
-                           "`template: TEXT` or `templates: [TEXT, ...]`")
-        if not isinstance(self.prompt_column, str) or not self.prompt_column:
-            raise JobError("prompt_column", self.prompt_column, "must be a non-empty string")
-        if self.prompts is not None:
-            if not isinstance(self.prompts, str):
-                raise JobError("prompts", self.prompts, "must be a file path")
+                           "`template: TEXT`, `templates: [TEXT, ...]` or `images: FOLDER` with `prompt: TEXT`")
+        for key in ("prompt_column", "image_column"):
+            if not isinstance(getattr(self, key), str) or not getattr(self, key):
+                raise JobError(key, getattr(self, key), "must be a non-empty string")
+        if (self.prompt is None) != (self.images is None):
+            raise JobError("prompt", self.prompt, "goes with `images: FOLDER` (one prompt for every image), "
+                           "and an images source needs it")
+        if self.prompts is not None or self.images is not None:
             for key in ("wildcards", "samples", "template_seed"):
                 if getattr(self, key) is not None:
                     raise JobError(key, getattr(self, key), "applies to template sources only")
+        if self.images is not None:
+            if not isinstance(self.images, str) or ("://" not in self.images and not Path(self.images).is_dir()):
+                raise JobError("images", self.images, "must be an existing folder or a gs:// prefix")
+            parse_job({"prompt": self.prompt, "model": self.model, "seed": 0})
+            return
+        if self.prompts is not None:
+            if not isinstance(self.prompts, str):
+                raise JobError("prompts", self.prompts, "must be a file path")
             SourceReader(self.prompts, self.prompt_column)  # the file exists and has a known type
             return
         if not isinstance(self.templates, tuple) or not all(isinstance(t, str) and t.strip()
@@ -162,11 +182,13 @@ class CampaignSpec:
             out["loras"] = [list(lora) for lora in self.loras]
         if self.scores:
             out["scores"] = list(self.scores)
+        if self.strength:
+            out["strength"] = list(self.strength)
         return out
 
     @property
     def source(self) -> str:
-        return self.prompts or "templates"
+        return self.prompts or self.images or "templates"
 
 
 SPEC_KEYS = {f.name for f in dataclasses.fields(CampaignSpec)} | {"template"}
@@ -184,6 +206,16 @@ def _check_cron(expr: Any) -> None:
                 day_of_week=day_of_week)
     except ValueError as err:
         raise JobError("schedule", expr, f"{rule} ({err})") from None
+
+
+def _strengths(value: Any) -> tuple[float, ...] | None:
+    """`strength: 0.6` or `strength: [0.3, 0.5, 0.7]`, each once (the contract checks each value)."""
+    if value is None:
+        return None
+    values = value if isinstance(value, list) else [value]
+    if not values or len(set(map(repr, values))) != len(values):
+        raise JobError("strength", value, "must be a strength or a list of distinct strengths")
+    return tuple(values)
 
 
 def _resolve(value: Any, base_dir: Path) -> Any:
@@ -215,9 +247,12 @@ def parse_spec(mapping: Mapping[str, Any], base_dir: str | Path = ".",
         values["loras"] = parse_loras(values.get("loras"))
         if values.get("scores") is not None:
             values["scores"] = check_scores(values["scores"]) or None
+        values["strength"] = _strengths(values.get("strength"))
         base = Path(base_dir)
         for key in ("prompts", "wildcards"):
             values[key] = _resolve(values.get(key), base)
+        if isinstance(values.get("images"), str) and "://" not in values["images"]:
+            values["images"] = _resolve(values["images"], base)
         if isinstance(values["output"], str) and "://" not in values["output"]:
             values["output"] = _resolve(values["output"], base)
         return CampaignSpec(**values)
@@ -277,12 +312,44 @@ class Scan:
 
 def _source_rows(spec: CampaignSpec) -> tuple[str, Iterator[SourceRow], SourceReader | None]:
     if spec.prompts is not None:
-        reader = SourceReader(spec.prompts, spec.prompt_column)
-        return row_unit(spec.prompts), reader.rows(), reader
+        reader = SourceReader(spec.prompts, spec.prompt_column, spec.image_column)
+        folder = Path(spec.prompts).parent
+        return row_unit(spec.prompts), ((n, _located(fields, folder)) for n, fields in reader.rows()), reader
+    if spec.images is not None:
+        return "image", _image_rows(spec.images, spec.prompt or ""), None
     seed = spec.base_seed if spec.template_seed is None else spec.template_seed
     prompts = expand(spec.templates, Path(spec.wildcards) if spec.wildcards else None, spec.mode,
                      spec.samples, seed)
     return "prompt", ((n, {"prompt": p}) for n, p in enumerate(prompts, start=1)), None
+
+
+def _located(fields: dict[str, Any] | JobError, folder: Path) -> dict[str, Any] | JobError:
+    """A row's init image path, relative to its source file's folder (as the spec's paths are to
+    the spec's)."""
+    ref = fields.get("init_image") if isinstance(fields, dict) else None
+    if isinstance(ref, str) and ref and "://" not in ref and not Path(ref).is_absolute():
+        return {**fields, "init_image": str((folder / ref).resolve())}
+    return fields
+
+
+def _image_rows(prefix: str, prompt: str) -> Iterator[SourceRow]:
+    """An images source: each image file under the folder or prefix (by name) is a row."""
+    storage = open_storage(prefix, durable=False)
+    names = (name for name in storage.list() if Path(name).suffix.lower() in IMAGE_SUFFIXES)
+    for number, name in enumerate(names, start=1):
+        yield number, {"prompt": prompt, "init_image": storage.url(name)}
+
+
+def _row_jobs(fields: Mapping[str, Any], seed: int, strengths: tuple[float, ...] | None) -> list[JobSpec]:
+    """A row's jobs for one seed: one per strength of the spec (a row's own strength wins). An
+    init image is read once for them all: its digest joins each job's id."""
+    variants = [{"strength": s} for s in strengths] if strengths and "strength" not in fields else [{}]
+    jobs = [parse_job({**variant, **fields, "seed": seed}) for variant in variants]
+    if jobs[0].init_image is None:
+        return jobs
+    sized = check_init_image(jobs[0], SIZE_STEP)
+    return [dataclasses.replace(job, init_image_sha256=sized.init_image_sha256, width=sized.width,
+                                height=sized.height) for job in jobs]
 
 
 def campaign_jobs(spec: CampaignSpec, on_bad: Callable[[BadRow], None] | None = None,
@@ -304,14 +371,13 @@ def campaign_jobs(spec: CampaignSpec, on_bad: Callable[[BadRow], None] | None = 
                 on_bad(BadRow(index, f"{unit} {number}", fields))
             continue
         try:
-            job = parse_job({**defaults, **fields, "seed": first})
+            jobs = _row_jobs({**defaults, **fields}, first, spec.strength)
         except JobError as err:
             if on_bad is not None:
                 on_bad(BadRow(index, f"{unit} {number}", err))
             continue
-        yield job
-        for k in range(1, per_row):
-            yield dataclasses.replace(job, seed=first + k)
+        for k in range(per_row):
+            yield from (dataclasses.replace(job, seed=first + k) if k else job for job in jobs)
     if on_rows is not None:
         on_rows(index + 1, reader)
 
@@ -336,7 +402,7 @@ def scan_campaign(spec: CampaignSpec, stored: set[str] | None = None, open_ids: 
         scan.jobs += 1
         sampler = sampler_label(job.scheduler, job.timestep_spacing, job.karras)
         guided = job.guidance_scale is None or job.guidance_scale > 1  # every family's default guides
-        scan.shapes[(job.model, job.width, job.height, job.steps, sampler, guided)] += 1
+        scan.shapes[(job.model, job.width, job.height, job.steps, sampler, guided, job.init_image is not None)] += 1
         if stored and job.job_id in stored:
             scan.stored += 1
         elif open_ids and job.job_id in open_ids:

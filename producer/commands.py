@@ -93,9 +93,9 @@ def cmd_campaign_validate(args: argparse.Namespace) -> int:
           f"{spec.base_seed + max(scan.rows * spec.images_per_prompt - 1, 0)}, output {spec.output}")
     print("shapes (model, width, height, steps, scheduler, guidance; a worker compiles a program for each, "
           "one for both guidance rows of a guidance-distilled model such as Flux):")
-    for (model, width, height, steps, sampler, guided), jobs in scan.shapes.most_common():
+    for (model, width, height, steps, sampler, guided, image), jobs in scan.shapes.most_common():
         print(f"  {model} {width or 'default'}x{height or 'default'} {steps} steps "
-              f"{sampler}{'' if guided else ' cfg-free'}: {jobs} jobs")
+              f"{sampler}{'' if guided else ' cfg-free'}{' img2img' if image else ''}: {jobs} jobs")
     if scan.ignored_columns:
         print(f"ignored columns (not job fields): {', '.join(scan.ignored_columns)}")
     if spec.schedule:

@@ -47,6 +47,9 @@ from renderfarm.scores import Expression, near_duplicates
 from renderfarm.storage import Storage, open_storage
 
 log = logging.getLogger(__name__)
+# An image job's source, a column each (null for a text job), typed as the scores are.
+SOURCE_COLUMNS = {"init_image": "string", "init_image_sha256": "string", "strength": "float64"}
+TYPED_COLUMNS = {**SOURCE_COLUMNS, **SCORE_COLUMNS}
 
 FORMATS = ("imagefolder", "webdataset", "parquet")
 DEFAULT_SHARD_SIZE = 1000
@@ -90,10 +93,11 @@ class ExportReport:
 
 
 def columns(record: dict[str, Any]) -> dict[str, Any]:
-    """A sidecar as flat columns: ``prompt`` and ``seed`` first, then its scores each a
-    column of its own, dict/list fields as JSON."""
+    """A sidecar as flat columns: ``prompt`` and ``seed`` first, an image job's source image and
+    strength, then its scores each a column of its own, dict/list fields as JSON."""
     spec = record.get("spec") if isinstance(record.get("spec"), dict) else {}
-    flat: dict[str, Any] = {"prompt": spec.get("prompt"), "seed": spec.get("seed")}
+    flat: dict[str, Any] = {"prompt": spec.get("prompt"), "seed": spec.get("seed"),
+                            **{name: spec.get(name) for name in SOURCE_COLUMNS}}
     scores = record.get("scores") if isinstance(record.get("scores"), dict) else {}
     for key, value in {**{name: scores.get(name) for name in SCORE_COLUMNS}, **record}.items():
         if key == "scores":
@@ -208,7 +212,7 @@ class ParquetWriter(_Sharded):
     def _infer_schema(self) -> Any:
         pa = self.pa
         inferred = pa.Table.from_pylist(self.rows).schema
-        fields = [pa.field(f.name, pa.type_for_alias(SCORE_COLUMNS[f.name])) if f.name in SCORE_COLUMNS else
+        fields = [pa.field(f.name, pa.type_for_alias(TYPED_COLUMNS[f.name])) if f.name in TYPED_COLUMNS else
                   pa.field(f.name, pa.string()) if pa.types.is_null(f.type) else f for f in inferred]
         features: dict[str, Any] = {}
         for field in fields:

@@ -22,14 +22,15 @@ import logging
 import math
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from PIL import Image, PngImagePlugin
 
 from renderfarm.jobs import JobError, check_campaign
-from renderfarm.layout import image_name, index_name, preview_name, thumbnail_name
+from renderfarm.images import open_init_image, read_init_image
+from renderfarm.layout import image_name, index_name, preview_name, source_thumbnail_name, thumbnail_name
 from renderfarm.manifest import (
     Cursor,
     Manifest,
@@ -91,6 +92,21 @@ def _thumbnail(storage: Storage, campaign: str, job_id: str) -> bytes:
         return thumb
 
 
+def _ensure_source_thumbnail(storage: Storage, campaign: str, digest: str, ref: str) -> bool:
+    """The thumbnail of an image job's source image, made from the source if missing; False if
+    the source cannot be read any more (the gallery then shows the result alone)."""
+    name = source_thumbnail_name(campaign, digest)
+    if storage.exists(name):
+        return True
+    try:
+        image = open_init_image(read_init_image(ref), ref)
+    except JobError as err:
+        log.warning("gallery of %s: no thumbnail of the source image: %s", campaign, err)
+        return False
+    storage.put(name, make_thumbnail(image), "image/jpeg", sync=False)
+    return True
+
+
 def _ensure_thumbnail(storage: Storage, campaign: str, job_id: str) -> bool:
     """Make the thumbnail if it is missing; True if one was made."""
     if storage.exists(thumbnail_name(campaign, job_id)):
@@ -137,6 +153,7 @@ a{color:#8cf}h1{font-size:20px;margin:0 0 4px}
 .grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(160px,1fr));gap:12px;margin-top:12px}
 figure{margin:0;background:#1c1c1c;padding:8px;border-radius:4px}
 figure img{display:block;width:128px;height:128px;object-fit:contain;margin:0 auto}
+figure.image-job{grid-column:span 2}.pair{display:flex;gap:8px;justify-content:center}.pair img{margin:0}
 figcaption{margin-top:6px;font-size:12px;overflow-wrap:anywhere}
 .prompt{display:-webkit-box;-webkit-line-clamp:3;-webkit-box-orient:vertical;overflow:hidden}
 .meta{color:#999}
@@ -144,15 +161,27 @@ figcaption{margin-top:6px;font-size:12px;overflow-wrap:anywhere}
 """
 
 
-def _figure(record: dict[str, Any], eager: bool) -> str:
+def _figure(record: dict[str, Any], eager: bool, sources: Collection[str]) -> str:
+    """One image's tile; an image job whose source has a thumbnail (in `sources`) shows the
+    source beside the result."""
     spec = record.get("spec") if isinstance(record.get("spec"), dict) else {}
     job_id = record["job_id"]  # validated hex: safe in a URL and in HTML
     prompt = html.escape(str(spec.get("prompt", "")), quote=True)
     seed = html.escape(str(spec.get("seed", "?")))
     size = html.escape(f"{record.get('width', '?')}x{record.get('height', '?')}")
     loading = "" if eager else ' loading="lazy"'
-    return (f'<figure id="{job_id}"><a href="{job_id}.png">'
-            f'<img src="thumbs/{job_id}.jpg" alt="{prompt}" title="{prompt}"{loading}></a>'
+    result = (f'<a href="{job_id}.png"><img src="thumbs/{job_id}.jpg" alt="{prompt}" title="{prompt}"'
+              f'{loading}></a>')
+    digest, strength = spec.get("init_image_sha256"), spec.get("strength")
+    if digest in sources:  # validated hex (source_thumbnail_name)
+        source = html.escape(str(spec.get("init_image", "")), quote=True)
+        return (f'<figure id="{job_id}" class="image-job"><div class="pair">'
+                f'<img src="thumbs/source-{digest}.jpg" alt="source: {source}" title="source: {source}"{loading}>'
+                f'{result}</div><figcaption><span class="prompt">{prompt}</span>'
+                f'<span class="meta">source {source} · strength {html.escape(str(strength))} · seed {seed} · '
+                f'{size} · <a href="{job_id}.json">sidecar</a></span>'
+                f'{_scores_line(record.get("scores"))}</figcaption></figure>')
+    return (f'<figure id="{job_id}">{result}'
             f'<figcaption><span class="prompt">{prompt}</span>'
             f'<span class="meta">seed {seed} · {size} · <a href="{job_id}.json">sidecar</a></span>'
             f'{_scores_line(record.get("scores"))}</figcaption></figure>')
@@ -171,14 +200,16 @@ def _scores_line(scores: Any) -> str:
     return f'<span class="scores">{" · ".join(shown)}</span>' if shown else ""
 
 
-def render_index(campaign: str, records: list[dict[str, Any]], total: int, manifest_link: bool = True) -> str:
+def render_index(campaign: str, records: list[dict[str, Any]], total: int, manifest_link: bool = True,
+                 sources: Collection[str] = ()) -> str:
     """The gallery page for ``records`` (newest first) out of ``total`` images; it links the
-    manifest where that is one file (a local folder)."""
+    manifest where that is one file (a local folder) and shows the source images whose
+    digests `sources` holds beside their results."""
     name = html.escape(check_campaign(campaign))
     manifest = ' · <a href="manifest.jsonl">manifest</a>' if manifest_link else ""
     shown = (f"showing the newest {len(records):,}" if len(records) < total else "all shown")
     updated = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-    figures = "\n".join(_figure(r, i < EAGER_IMAGES) for i, r in enumerate(records))
+    figures = "\n".join(_figure(r, i < EAGER_IMAGES, sources) for i, r in enumerate(records))
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
 <meta http-equiv="Content-Security-Policy" content="default-src 'none'; img-src 'self' file: https: http:; style-src 'unsafe-inline'">
@@ -223,6 +254,7 @@ class Seen:
     newest: collections.deque[dict[str, Any]]
     cursor: Cursor | None = None
     total: int = 0
+    sources: set[str] = dataclasses.field(default_factory=set)  # digests of source images with a thumbnail
 
     def read(self, manifest: Manifest, storage: Storage, campaign: str) -> None:
         """Take in the lines written since the last read."""
@@ -257,10 +289,25 @@ def refresh(storage: Storage, campaign: str, *, limit: int = DEFAULT_LIMIT, tile
         if make_thumbnails:
             made = sum(pool.map(lambda job_id: _ensure_thumbnail(storage, campaign, job_id), ids))
         thumbs = list(pool.map(lambda job_id: _thumbnail(storage, campaign, job_id), ids[:tiles]))
-    page = render_index(campaign, shown, total, manifest_link=isinstance(storage, LocalStorage))
+        new = [(digest, ref) for digest, ref in _sources(shown).items() if digest not in seen.sources]
+        readable = list(pool.map(lambda source: _ensure_source_thumbnail(storage, campaign, *source), new))
+        seen.sources |= {digest for (digest, _), ok in zip(new, readable) if ok}
+    page = render_index(campaign, shown, total, manifest_link=isinstance(storage, LocalStorage),
+                        sources=seen.sources)
     publish(storage, campaign, total, contact_sheet(thumbs, total), page.encode("utf-8"))
     return Gallery(campaign, total, len(shown), len(thumbs), made,
                    storage.url(index_name(campaign)), storage.url(preview_name(campaign)))
+
+
+def _sources(records: list[dict[str, Any]]) -> dict[str, str]:
+    """The source images of the image jobs among `records`: sha256 -> reference."""
+    found = {}
+    for record in records:
+        spec = record.get("spec") if isinstance(record.get("spec"), dict) else {}
+        digest, ref = spec.get("init_image_sha256"), spec.get("init_image")
+        if isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest) and isinstance(ref, str):
+            found[digest] = ref
+    return found
 
 
 def publish(storage: Storage, campaign: str, total: int, sheet: bytes, page: bytes) -> bool:

@@ -19,6 +19,7 @@ from renderfarm.jobs import JobError, JobSpec
 from renderfarm.storage import open_storage
 
 MAX_PIXELS = 8192 * 8192  # a larger image is refused, never decoded (a decompression bomb)
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")  # an images source's files
 
 
 def read_init_image(ref: str) -> bytes:

@@ -32,7 +32,8 @@ SourceRow = tuple[int, "dict[str, Any] | JobError"]  # (line or row number, fiel
 ROW_FIELDS: dict[str, Callable[[str], Any]] = {
     "prompt": str, "negative_prompt": str, "model": str, "steps": int, "guidance_scale": float,
     "width": int, "height": int, "scheduler": str, "dtype": str, "priority": int, "variant": str,
-    "timestep_spacing": str, "karras": lambda cell: _BOOLEANS[cell.strip().lower()]}
+    "timestep_spacing": str, "karras": lambda cell: _BOOLEANS[cell.strip().lower()], "init_image": str,
+    "strength": float}
 _BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 _CELL_RULES = {int: "must be an integer", float: "must be a number"}
 SPEC_ONLY = {"seed": "seeds derive from base_seed and the row's position",
@@ -115,8 +116,8 @@ class SourceReader:
 
     MAX_IGNORED = 20  # names kept: enough to spot a typo, bounded for odd JSONL files
 
-    def __init__(self, path: str | Path, prompt_column: str = "prompt") -> None:
-        self.path, self.prompt_column = Path(path), prompt_column
+    def __init__(self, path: str | Path, prompt_column: str = "prompt", image_column: str = "init_image") -> None:
+        self.path, self.prompt_column, self.image_column = Path(path), prompt_column, image_column
         _check_file(self.path, SOURCE_FORMATS)
         self.ignored: dict[str, None] = {}  # an ordered set
 
@@ -129,7 +130,9 @@ class SourceReader:
         """The job field a column sets, or None if it is ignored (SPEC_ONLY: the caller's error)."""
         if column == self.prompt_column:
             return "prompt"
-        if column in ROW_FIELDS and column != "prompt":
+        if column == self.image_column:
+            return "init_image"
+        if column in ROW_FIELDS and column not in ("prompt", "init_image"):
             return column
         if len(self.ignored) < self.MAX_IGNORED:
             self.ignored[column] = None

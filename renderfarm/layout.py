@@ -51,6 +51,14 @@ def thumbnail_name(campaign: str, job_id: str) -> str:
     return f"{check_campaign(campaign)}/thumbs/{validate_job_id(job_id)}.jpg"
 
 
+def source_thumbnail_name(campaign: str, sha256: str) -> str:
+    """Relative name of an image job's source image thumbnail, one per source whatever the
+    jobs it starts: ``CAMPAIGN/thumbs/source-SHA256.jpg``."""
+    if not (isinstance(sha256, str) and re.fullmatch(r"[0-9a-f]{64}", sha256)):
+        raise ValueError(f"init_image_sha256={sha256!r}: must be 64 lowercase hex digits")
+    return f"{check_campaign(campaign)}/thumbs/source-{sha256}.jpg"
+
+
 def index_name(campaign: str) -> str:
     """Relative name of a campaign's static gallery page: ``CAMPAIGN/index.html``."""
     return f"{check_campaign(campaign)}/index.html"

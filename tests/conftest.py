@@ -33,8 +33,8 @@ from harness.farm import WorkerProcess, farm_app  # noqa: E402
 from harness.redis_server import RedisServer, free_port  # noqa: E402
 from renderfarm.progress import Progress  # noqa: E402
 from renderfarm.storage import Storage, open_storage  # noqa: E402
-from tests.fault_proxies import GcsProxy  # noqa: E402
-from tests.gcs_emulator import GcsEmulator  # noqa: E402
+from harness.fault_proxies import GcsProxy  # noqa: E402
+from harness.gcs_emulator import GcsEmulator  # noqa: E402
 from tests.helpers import FARM_OUT, STORE_THREADS, Cli, Farm, scrape  # noqa: E402
 
 

@@ -34,7 +34,7 @@ from renderfarm.layout import manifest_name
 from renderfarm.progress import Progress
 from renderfarm.storage import Storage
 from renderfarm_cli import parser
-from tests.fault_proxies import GcsProxy
+from harness.fault_proxies import GcsProxy
 from worker.engine import Engine
 
 Cli = Callable[..., tuple[int, str, str]]  # the `cli` fixture: (exit code, stdout, stderr)

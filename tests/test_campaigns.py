@@ -32,8 +32,8 @@ from renderfarm.progress import Progress
 from renderfarm.queue import queue_name
 from renderfarm.settings import Settings
 from renderfarm.storage import open_storage
-from tests.fault_proxies import TcpProxy
-from tests.gcs_emulator import GcsEmulator
+from harness.fault_proxies import TcpProxy
+from harness.gcs_emulator import GcsEmulator
 from tests.helpers import FARM_OUT, Cli, Farm, store_jobs
 from tests.helpers import submitted as submitted_jobs
 

@@ -19,7 +19,7 @@ from renderfarm.jobs import JobError
 from renderfarm.layout import image_name
 from renderfarm.storage import Storage, open_storage
 from renderfarm_cli import main
-from tests.gcs_emulator import GcsEmulator
+from harness.gcs_emulator import GcsEmulator
 from tests.helpers import COLOURS, HOSTILE, append_raw, store_results
 
 
@@ -98,6 +98,8 @@ def test_parquet_reads_back_with_pyarrow_and_datasets(campaign: tuple, tmp_path:
         same_fields(row, record)
         assert row["image"] == {"bytes": source.get(image_name("c1", record["job_id"])),
                                 "path": f"{record['job_id']}.png"}
+    schema = pq.read_schema(files[0])  # a text job's source columns are typed nulls, as its scores are
+    assert [str(schema.field(name).type) for name in ("init_image", "strength")] == ["string", "double"]
     ds = datasets.load_dataset("parquet", data_files=[str(p) for p in files], split="train",
                                cache_dir=str(tmp_path / "hf"))
     assert isinstance(ds.features["image"], datasets.Image)
@@ -154,3 +156,12 @@ def test_bad_inputs_say_what_is_wrong(campaign: tuple, tmp_path: Path, capsys: p
     assert run(source, "parquet", tmp_path / "o") == 2  # never mixes two exports silently
     assert f"to='{(tmp_path / 'o').as_uri()}': is not empty" in capsys.readouterr().err
     assert run(source, "webdataset", tmp_path / "o", "--overwrite") == 0
+
+
+def test_an_image_jobs_source_and_strength_are_columns_of_their_own() -> None:
+    spec = {"prompt": "a fox", "seed": 3, "init_image": "gs://b/photos/a.png", "init_image_sha256": "ab" * 32,
+            "strength": 0.6}
+    row = export_module.columns({"job_id": "j", "spec": spec})
+    assert (row["init_image"], row["init_image_sha256"], row["strength"]) == ("gs://b/photos/a.png", "ab" * 32, 0.6)
+    text = export_module.columns({"job_id": "k", "spec": {"prompt": "a fox", "seed": 3}})
+    assert (text["init_image"], text["init_image_sha256"], text["strength"]) == (None, None, None)

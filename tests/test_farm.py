@@ -31,6 +31,8 @@ from harness.farm import (
     wait_for,
 )
 from producer.submit import submit
+from renderfarm import deadletters
+from renderfarm.images import check_init_image
 from renderfarm.jobs import JobSpec
 from renderfarm.layout import (
     image_name,
@@ -42,7 +44,7 @@ from renderfarm.layout import (
 from renderfarm.queue import TASK_NAME, priority_lists, queue_name
 from renderfarm.storage import Storage
 from tests.flower_process import poll, run_flower
-from tests.gcs_emulator import GcsEmulator
+from harness.gcs_emulator import GcsEmulator
 from tests.helpers import DATA, FARM_OUT, ORACLE, Farm
 
 pytestmark = pytest.mark.farm
@@ -53,6 +55,7 @@ def assert_landed_once(storage: Storage, specs: list[JobSpec]) -> None:
     names = set(storage.list(f"{campaign}/"))
     results = {name(campaign, s.job_id) for s in specs for name in (image_name, sidecar_name, thumbnail_name)}
     gallery = {index_name(campaign), preview_name(campaign)}  # rebuilt now and then: may lag
+    gallery |= {name for name in names if name.startswith(f"{campaign}/thumbs/source-")}  # image jobs' sources
     assert results <= names
     assert all(name.startswith(f"{campaign}/manifest/") for name in names - results - gallery)
     ids = manifest_ids(storage, campaign)
@@ -247,3 +250,27 @@ def test_a_worker_serves_one_lora_set_and_no_other(farm: Farm, bucket: Storage, 
         record = json.loads(bucket.get(sidecar_name("lora-set", spec.job_id)))
         assert record["model"]["loras"] == [[str(lora), 0.7]]
         assert {"role": "lora", "file": str(lora), "scale": 0.7, "sha256": digest} in record["model"]["weights"]
+
+
+def test_an_image_job_whose_source_is_gone_fails_and_the_rest_of_its_batch_renders(
+        farm: Farm, bucket: Storage, tiny_sd: Path, tmp_path: Path) -> None:
+    """Sources are read ahead, as a job arrives; one that is gone by then fails its jobs for good
+    (dead-lettered with the reason), and the rest of the batch, image jobs from the same
+    photo at other strengths among them, renders."""
+    photos = [tmp_path / "kept.png", tmp_path / "gone.png"]
+    for path, colour in zip(photos, [(250, 120, 0), (0, 90, 250)]):
+        Image.new("RGB", (64, 64), colour).save(path)
+    specs = [check_init_image(dataclasses.replace(spec, init_image=str(photos[i % 2]), strength=0.5 + 0.1 * (i // 2),
+                                                  scheduler="euler"), 64)
+             for i, spec in enumerate(jobs(tiny_sd, "sources", 6, seed=40))]
+    photos[1].unlink()  # after the producer read it
+    enqueue(farm.app, farm.progress, specs)
+    status = wait_done(farm.progress, "sources", 6)
+    assert (status["done"], status["failed"]) == (3, 3)
+    assert_landed_once(bucket, specs[0::2])
+    assert {str(reason) for reason in status["failures"].values()} == {
+        f"invalid job: init_image='{photos[1]}': must be a readable image file (FileNotFoundError)"}
+    letters = deadletters.DeadLetters(farm.progress.r)
+    queue = queue_name(str(tiny_sd), "float32")
+    reasons = [entry["reason"] for entry in letters.entries(queue, limit=1000) if "gone.png" in entry["reason"]]
+    assert len(reasons) == 3

@@ -3,7 +3,7 @@ a drain under load, new shapes compiling while messages are held.
 
 Real parts throughout: redis-server, `renderfarm worker` processes, the google-cloud-storage
 client against the emulator. Each fault strikes where the test decides, through a proxy in
-front of the emulator or of Redis (tests/fault_proxies.py), so no assertion depends on how
+front of the emulator or of Redis (harness/fault_proxies.py), so no assertion depends on how
 fast the worker happens to be.
 """
 
@@ -49,8 +49,8 @@ from renderfarm.queue import (
     redis_priority,
 )
 from renderfarm.storage import Storage, open_storage
-from tests.fault_proxies import GcsProxy, Rule, TcpProxy
-from tests.gcs_emulator import GcsEmulator
+from harness.fault_proxies import GcsProxy, Rule, TcpProxy
+from harness.gcs_emulator import GcsEmulator
 
 REDIS_APPENDONLY = True  # tests/conftest.py
 BUCKET = "faults"

@@ -16,12 +16,14 @@ import pytest
 from PIL import Image
 
 from renderfarm import gallery
+from renderfarm.images import check_init_image
+from renderfarm.jobs import parse_job
 from renderfarm.layout import index_name, manifest_name, preview_name, thumbnail_name
 from renderfarm.storage import Storage, open_storage
 from renderfarm_cli import main
-from tests.fault_proxies import GcsProxy, Rule
-from tests.gcs_emulator import GcsEmulator
-from tests.helpers import COLOURS, HOSTILE, append_raw, store_results
+from harness.fault_proxies import GcsProxy, Rule
+from harness.gcs_emulator import GcsEmulator
+from tests.helpers import COLOURS, HOSTILE, STEPS, append_raw, store_jobs, store_results
 
 
 def chromium(*args: str) -> subprocess.CompletedProcess:
@@ -218,3 +220,26 @@ def test_a_refresh_reads_only_the_manifest_lines_written_since_the_last(sd_model
     refresher.stored(["c8"])
     assert "4 images" in local.get(index_name("c8")).decode()
     assert gallery.refresh(local, "c8").total == 2  # a full read does see the garbled lines
+
+
+def test_an_image_job_shows_its_source_beside_the_result(sd_model: Any, local: Storage, tmp_path: Path) -> None:
+    sources = [tmp_path / "fox.png", tmp_path / "gone.png"]
+    for path, colour in zip(sources, [(250, 120, 0), (0, 0, 250)]):
+        Image.new("RGB", (96, 64), colour).save(path)
+    jobs = [check_init_image(parse_job({"prompt": f"p{i}", "model": sd_model.ref, "seed": i, "steps": STEPS,
+                                        "width": 64, "height": 64, "campaign": "c9", "init_image": str(path),
+                                        "strength": 0.5}), 64)
+            for i, path in enumerate([sources[0], sources[0], sources[1]])]
+    text = parse_job({"prompt": "text", "model": sd_model.ref, "seed": 9, "steps": STEPS, "width": 64,
+                      "height": 64, "campaign": "c9"})
+    records = store_jobs(local, sd_model, [*jobs, text], COLOURS[:4])
+    sources[1].unlink()  # a source moved away since: its results show alone
+    gallery.refresh(local, "c9")
+
+    page = local.get("c9/index.html").decode()
+    fox = jobs[0].init_image_sha256
+    assert page.count(f'src="thumbs/source-{fox}.jpg"') == 2 and page.count('class="image-job"') == 2
+    assert f"source-{jobs[2].init_image_sha256}" not in page and page.count("<figure") == 4
+    thumb = np.asarray(Image.open(io.BytesIO(local.get(f"c9/thumbs/source-{fox}.jpg"))).convert("RGB"))
+    assert thumb.shape[:2] == (64, 96) and close(thumb[30, 50], (250, 120, 0))
+    assert f'href="{records[3]["job_id"]}.png"' in page and "strength 0.5" in page

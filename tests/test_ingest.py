@@ -214,3 +214,67 @@ def test_seeds_past_2_32_are_an_error_before_any_job(tmp_path: Path) -> None:
     s = spec(tmp_path, prompts="p.txt", base_seed=2**32 - 5, images_per_prompt=2)
     with pytest.raises(JobError, match=r"line 3 \(row 2\) would get seeds up to 4294967296"):
         scan_campaign(s)
+
+
+def _photo(path: Path, colour: tuple[int, int, int], size: tuple[int, int] = (200, 136)) -> Path:
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", size, colour).save(path)
+    return path
+
+
+def test_an_image_column_makes_image_jobs_one_per_strength_with_the_image_digest_in_the_id(tmp_path: Path) -> None:
+    _photo(tmp_path / "photos" / "a.png", (200, 10, 10))
+    _photo(tmp_path / "photos" / "b.jpg", (10, 200, 10), (300, 300))
+    (tmp_path / "rows.csv").write_text("image,caption,strength\nphotos/a.png,a fox,\nphotos/b.jpg,a hare,0.9\n"
+                                       "photos/missing.png,lost,\n")
+    s = spec(tmp_path, prompts="rows.csv", prompt_column="caption", image_column="image", images_per_prompt=2,
+             strength=[0.3, 0.7], steps=10, scheduler="euler")
+    bad: list = []
+    jobs = list(campaign_jobs(s, bad.append))
+    # Row 0: 2 images x 2 strengths, each pair of strengths on one seed; row 1's own strength wins.
+    assert [(j.prompt, j.seed, j.strength, j.width, j.height) for j in jobs] == [
+        ("a fox", 100, 0.3, 192, 128), ("a fox", 100, 0.7, 192, 128),
+        ("a fox", 101, 0.3, 192, 128), ("a fox", 101, 0.7, 192, 128),
+        ("a hare", 102, 0.9, 256, 256), ("a hare", 103, 0.9, 256, 256)]
+    assert jobs[0].init_image == str(tmp_path / "photos" / "a.png")  # relative to the source file
+    assert len({j.job_id for j in jobs}) == 6 and {j.init_image_sha256 for j in jobs[:4]} == {jobs[0].init_image_sha256}
+    assert [(row.where, row.error.field) for row in bad] == [("line 4", "init_image")]
+    assert scan_campaign(s).shapes[("org/m", 192, 128, 10, "euler", True, True)] == 4
+    # The same file with other bytes is a new job; the same bytes give the same ids again.
+    assert [j.job_id for j in campaign_jobs(s)] == [j.job_id for j in jobs]
+    _photo(tmp_path / "photos" / "a.png", (201, 10, 10))
+    changed = list(campaign_jobs(s))
+    assert changed[0].job_id != jobs[0].job_id and changed[4].job_id == jobs[4].job_id
+
+
+def test_an_images_folder_is_a_source_with_one_prompt_for_every_image(tmp_path: Path) -> None:
+    for name in ("b.png", "a.jpg", "sub/c.webp"):
+        _photo(tmp_path / "in" / name, (9, 9, 9), (128, 128))
+    (tmp_path / "in" / "notes.txt").write_text("not an image")
+    s = spec(tmp_path, images="in", prompt="a watercolour", strength=0.5, steps=4, scheduler="ddim")
+    jobs = list(campaign_jobs(s))
+    assert [(Path(j.init_image).relative_to(tmp_path / "in").as_posix(), j.prompt, j.seed, j.strength)
+            for j in jobs] == [("a.jpg", "a watercolour", 100, 0.5), ("b.png", "a watercolour", 101, 0.5),
+                               ("sub/c.webp", "a watercolour", 102, 0.5)]
+    assert s.source == str(tmp_path / "in") and parse_spec(s.to_dict(), "/elsewhere") == s
+
+
+IMAGE_SPECS = {
+    "no prompt": ({"images": "in"}, "prompt=None: goes with `images: FOLDER`"),
+    "prompt without images": ({"prompts": "p.txt", "prompt": "x"}, "prompt='x': goes with `images: FOLDER`"),
+    "missing folder": ({"images": "nowhere", "prompt": "x"}, "images="),
+    "strength range": ({"prompts": "p.txt", "strength": [0.5, 1.5]}, "strength=1.5: must be"),
+    "repeated strength": ({"prompts": "p.txt", "strength": [0.5, 0.5]}, "list of distinct strengths"),
+}
+
+
+@pytest.mark.parametrize("case", list(IMAGE_SPECS))
+def test_bad_image_specs_name_key_value_rule(case: str, tmp_path: Path) -> None:
+    (tmp_path / "p.txt").write_text("a\n")
+    (tmp_path / "in").mkdir()
+    keys, message = IMAGE_SPECS[case]
+    with pytest.raises(JobError, match=None) as caught:
+        spec(tmp_path, **keys)
+    assert message in str(caught.value), str(caught.value)

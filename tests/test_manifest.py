@@ -19,7 +19,7 @@ from renderfarm.manifest import (
     open_manifest,
 )
 from renderfarm.storage import GCSStorage, LocalStorage, open_storage
-from tests.gcs_emulator import GcsEmulator
+from harness.gcs_emulator import GcsEmulator
 
 
 def line(job_id: str, **extra: object) -> tuple[str, str]:

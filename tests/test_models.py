@@ -20,7 +20,7 @@ from diffusion.models import LoadedModel, contained, load_model, resolve_file, s
 from diffusion.schedulers import make
 from renderfarm.jobs import JobError
 from renderfarm.storage import open_storage
-from tests.gcs_emulator import GcsEmulator
+from harness.gcs_emulator import GcsEmulator
 
 
 def same_params(a: LoadedModel, b: LoadedModel) -> bool:

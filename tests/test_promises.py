@@ -12,7 +12,7 @@
 
 Real parts: the session's farm (tests/conftest.py: a redis-server, two `renderfarm worker`
 processes storing to the GCS emulator through a proxy, so that a test can stall storage to see
-a campaign stand still mid-way, tests/fault_proxies.py), each test with its own campaign, and
+a campaign stand still mid-way, harness/fault_proxies.py), each test with its own campaign, and
 `renderfarm render` as a user runs it.
 """
 
@@ -34,7 +34,7 @@ from harness.farm import STEPS, enqueue, jobs, manifest_ids, wait_done, wait_for
 from renderfarm.gallery import THUMB_SIZE, TILE_GAP, grid_shape
 from renderfarm.layout import image_name, index_name, preview_name, sidecar_name
 from renderfarm.storage import Storage
-from tests.fault_proxies import GcsProxy, Rule
+from harness.fault_proxies import GcsProxy, Rule
 from tests.helpers import BATCHES, ORACLE, STORE_THREADS, TOLERANCE, Cli, Farm
 
 GALLERY_INTERVAL = 30.0  # the README's "kept fresh": a running campaign's gallery, at most this stale

@@ -16,7 +16,7 @@ from harness.farm import STEPS, manifest_records
 from renderfarm.jobs import JobError
 from renderfarm.storage import open_storage
 from renderfarm_cli import main
-from tests.gcs_emulator import GcsEmulator
+from harness.gcs_emulator import GcsEmulator
 from worker.commands import parse_shapes
 
 SIDECAR_FIELDS = {"job_id", "spec", "width", "height", "scheduler", "classifier_free_guidance", "truncated",

@@ -16,7 +16,7 @@ from renderfarm.layout import image_name, manifest_name, sidecar_name
 from renderfarm.retry import RetryPolicy, is_transient_error
 from renderfarm.storage import GCSStorage, LocalStorage, make_gcs_client, open_storage
 from renderfarm.storage import local as local_backend
-from tests.gcs_emulator import GcsEmulator, create_bucket
+from harness.gcs_emulator import GcsEmulator, create_bucket
 
 FAST_RETRY = RetryPolicy(attempts=6, base_delay=0.05, max_delay=1.0)
 

@@ -34,8 +34,8 @@ from renderfarm.progress import ADMIT, REQUEUE, Progress, retrying_client
 from renderfarm.queue import queue_name
 from renderfarm.settings import Settings
 from renderfarm.storage import open_storage
-from tests.fault_proxies import TcpProxy
-from tests.gcs_emulator import GcsEmulator
+from harness.fault_proxies import TcpProxy
+from harness.gcs_emulator import GcsEmulator
 from tests.helpers import FARM_OUT, Farm, submitted
 
 MODEL = "some/model"  # no worker serves it: what is sent stays on its queue

@@ -59,20 +59,12 @@ def load_named_model(args: argparse.Namespace) -> LoadedModel:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from celery.apps.worker import Worker
-
     from renderfarm.jobs import parse_job
-    from renderfarm.progress import Progress
-    from renderfarm.queue import make_app, queue_name
-    from renderfarm.retry import RetryPolicy
     from renderfarm.settings import Settings
-    from renderfarm.storage import open_storage
-    from worker.broker import transport_for
     from worker.engine import Engine, enable_compilation_cache
     from worker.executables import ExecutableStore
+    from worker.farm import build_worker
     from worker.plan import engine_for
-    from worker.farm import Batcher, Processor, StopDeadline, drain_step, node_name, render_task
-    from worker.hooks import FleetHook, GalleryHook, MetricsHook, RateLog
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     shapes = parse_shapes(args.precompile or "")
@@ -102,43 +94,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
         key = key_of(engine, shape)
         engine.compiled(key)
         log.info("%s ready in %.1fs", key, time.perf_counter() - started)
-    # Outages longer than the default retry window must not fail jobs: keep trying ~5 min.
-    storage = open_storage(args.out, retry=RetryPolicy(attempts=14, base_delay=0.5, max_delay=30.0))
-    app = make_app(settings)
-    app.conf.broker_transport = transport_for(settings.broker_url)
-    # Unacked: the batches being gathered (one per shape key on the queue), the one
-    # rendering, those being stored (BatchWriter keeps at most 2), and the next ones.
-    app.conf.worker_prefetch_multiplier = 8 * engine.batch_size
-    queue = queue_name(model.ref, model.dtype, model.variant, model.base, model.loras)
-    node = args.node_name or node_name()
-    metrics = None
-    if args.metrics_port is not None:
-        from worker.metrics import WorkerMetrics
-
-        metrics = WorkerMetrics(engine.devices[0].device_kind, len(engine.devices))
-        metrics.compiled(engine.compiles, engine.compile_seconds)  # --precompile's
-        metrics.watch_queue(Progress.from_url(settings.broker_url).r, queue)
-        try:
-            metrics.serve(args.metrics_port)
-        except OSError as err:
-            raise JobError("metrics-port", args.metrics_port, f"cannot be served ({err}); give each worker "
-                                                              "on a host its own port") from None
-        log.info("metrics on http://0.0.0.0:%d/metrics", args.metrics_port)
-    progress = Progress.from_url(settings.broker_url)
-    hooks = [FleetHook(progress.r, node, queue), GalleryHook(storage), RateLog(engine)]
-    if metrics is not None:
-        hooks.append(MetricsHook(metrics, engine))
-    processor = Processor(engine, storage, progress, app, settings, store_threads=args.store_threads,
-                          hooks=hooks, metrics=metrics)
-    app.register_task(render_task(Batcher(processor, engine.batch_size, args.max_wait)))
-    app.steps["consumer"].add(drain_step(StopDeadline(processor, args.drain_seconds)))
-    log.info(
-        "serving %s (%s) from queue %r in batches of %d on %d %s devices, storing to %s",
-        model.ref, model.dtype, queue, engine.batch_size, len(engine.devices),
-        engine.devices[0].device_kind, storage.describe())
-    worker = Worker(app=app, hostname=node, pool_cls="solo", concurrency=1,
-                    queues=[queue], loglevel="INFO", without_mingle=True, without_gossip=True,
-                    task_events=True, redirect_stdouts=False)
+    worker, processor = build_worker(engine, settings, args.out, node=args.node_name,
+                                     store_threads=args.store_threads, max_wait=args.max_wait,
+                                     drain_seconds=args.drain_seconds, metrics_port=args.metrics_port)
     worker.start()
     if processor.drained:
         # Every job is acked or back on its queue. Threads still busy (a store that will not

@@ -33,7 +33,7 @@ from diffusion.models import LoadedModel
 from diffusion.placement import lower_generate, make_placement
 from diffusion.schedulers import Scheduler, make
 from diffusion.scores import Scorers
-from renderfarm.images import check_init_image, init_pixels, load_init_image
+from renderfarm.images import check_init_image
 from renderfarm.jobs import (
     DEFAULT_STRENGTH,
     IMAGE_SCHEDULERS,
@@ -46,6 +46,7 @@ from renderfarm.jobs import (
 )
 from renderfarm.scores import Expression
 from worker.executables import ExecutableStore, fingerprint, private_folder
+from worker.sources import InitImages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,9 +197,10 @@ class Engine:
         # The loader's placement laid the weights out (packed ones interleaved) for this split.
         self._params = jax.device_put(model.params, self.placement.weight_shardings(model.family, model.params))
         self._schedulers: dict[tuple[str, str | None, bool | None], Scheduler] = {}
+        self.init_images = InitImages()  # image jobs' sources, read ahead of their batches
         # Compiled programs, least recently used first; at most max_programs are kept.
         self._compiled: collections.OrderedDict[ShapeKey, Any] = collections.OrderedDict()
-        self._lock = threading.Lock()  # programs compile on a thread of their own (worker.farm)
+        self._lock = threading.Lock()  # programs compile on a thread of their own (worker.processing)
         self.max_programs = max_programs  # None: sized for device memory by the first program
         self.executables = executables
         self._batches = itertools.count()
@@ -382,14 +384,21 @@ class Engine:
 
     # -- rendering -------------------------------------------------------------------
 
+    def prefetch(self, specs: Sequence[JobSpec], key: ShapeKey) -> None:
+        """Start reading the init images of image jobs that will render as `key`, so their
+        batch finds them read (worker.sources)."""
+        if key.image:
+            for spec in specs:
+                self.init_images.fetch(spec, key.width, key.height)
+
     def _inputs(self, key: ShapeKey, jobs: list[JobSpec]) -> tuple[Any, list[bool]]:
         """The family's inputs of a padded batch, sharded over the devices (whatever the pytree);
-        an image batch's with each job's init image, read and resized here, and start step."""
+        an image batch's with each job's init image (read ahead: `prefetch`) and start step."""
         padded = jobs + [jobs[-1]] * (self.batch_size - len(jobs))
         host, truncated = self.model.inputs([j.prompt for j in padded], [j.negative_prompt for j in padded],
                                             [j.seed for j in padded], [self.model.guidance_scale(j) for j in padded])
         if key.image:
-            host = ImageInputs(host, np.stack([init_pixels(load_init_image(j)[0], key.width, key.height) for j in padded]),
+            host = ImageInputs(host, np.stack([self.init_images.pixels(j, key.width, key.height) for j in padded]),
                                np.array([image_start(j.steps, j.strength or DEFAULT_STRENGTH) for j in padded], np.int32))
         return jax.device_put(host, self._sharded), truncated[:len(jobs)]
 
@@ -496,7 +505,9 @@ class Engine:
         """Yield each batch's results while the next batch already runs on the devices."""
         plan = self.prepare(specs) if plan is None else plan
         pending = None
-        for key, idx in plan:
+        for n, (key, idx) in enumerate(plan):
+            for ahead, ahead_idx in plan[n:n + 2]:  # this batch's images, and the next one's
+                self.prefetch([specs[i] for i in ahead_idx], ahead)
             started = self.start(specs, key, idx)
             if pending is not None:
                 yield self.collect(pending)

@@ -3,7 +3,7 @@
 Each worker has a registry of its own (several workers on one host each serve their own port),
 updated on a batch's state changes (worker.hooks.MetricsHook): admitted (queue wait), batch
 rendered (render seconds, fill, FLOP/s), batch stored (images and device-seconds per campaign,
-store seconds), compiled; and as a job's life ends (worker.farm.Outcomes): failed (by reason). infra/grafana/renderfarm.json is a dashboard of them.
+store seconds), compiled; and as a job's life ends (worker.outcomes.Outcomes): failed (by reason). infra/grafana/renderfarm.json is a dashboard of them.
 """
 
 from __future__ import annotations

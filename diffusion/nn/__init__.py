@@ -1,14 +1,18 @@
-"""The model layer: Stable Diffusion's networks in plain Flax linen, held to PyTorch.
+"""The model layer's networks (Stable Diffusion's and Flux's) in plain Flax linen, held to PyTorch.
 
 diffusers' and transformers' Flax classes are deprecated and differ numerically from the
-PyTorch modules that define the reference images (DESIGN.md's contract). These modules
+PyTorch modules that define the reference images (docs/design.md's reproducibility
+contract). These modules
 keep the Flax classes' parameter trees, so today's msgpack checkpoints load unchanged, and
 compute what the PyTorch modules compute:
 
 - `unet.py`: UNet2DConditionModel (SD 1.x, 2.x, XL), with the ResNet, down/up-sampling and
   block code the VAE shares;
 - `vae.py`: AutoencoderKL (encoder and decoder);
-- `clip.py`: CLIPTextModel and CLIPTextModelWithProjection;
+- `clip.py`: CLIPTextModel and CLIPTextModelWithProjection (and the vision tower the
+  scores use);
+- `t5.py`: T5EncoderModel (Flux's second text encoder);
+- `flux.py`: FluxTransformer2DModel (double- and single-stream blocks);
 - `attention.py`: the one place attention is computed (head layout, kernel choice).
 
 Where diffusers' Flax classes (0.39) differ from PyTorch (0.42), these follow PyTorch:

@@ -1,0 +1,271 @@
+"""A job's life between its batch being gathered and its outcome: admitted (cancelled campaigns
+skipped, attempts counted, a job stored already not redone), its sources read, rendered on the
+devices (a new shape compiled off the consumer's thread), stored on the writer's threads, then
+handed to worker.outcomes. Each batch's state (worker.batches) says which step it is at."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from celery import Celery
+from celery.worker.request import Request
+from celery.worker.state import task_accepted
+
+from renderfarm.jobs import JobError, parse_job
+from renderfarm.layout import MANIFEST_BASENAME, sidecar_name
+from renderfarm.progress import Progress
+from renderfarm.settings import Settings
+from renderfarm.storage import Storage
+from worker.batches import BatchHook, Job, JobBatch, State
+from worker.engine import Engine, Rendered, ShapeKey
+from worker.metrics import WorkerMetrics
+from worker.outcomes import BROKER_ERRORS, Outcomes
+from worker.output import BatchWriter
+
+log = logging.getLogger("renderfarm.worker")
+
+# Slices of the main thread's wait for the devices: Python runs a signal's handler on the
+# main thread between bytecodes only, so a wait that never returned would hold a stop off.
+WAIT_SLICE = 0.005
+
+
+class Processor:
+    """One job's life from delivery to acknowledgement (see the module docstring), across
+    reconnections: the Gatherer of the current connection hands it batches (worker.batches),
+    and it moves each on through its states; `hooks` do the rest of what a state change means."""
+
+    def __init__(self, engine: Engine, storage: Storage, progress: Progress, app: Celery,
+                 settings: Settings, store_threads: int | None = None, hooks: Sequence[BatchHook] = (),
+                 metrics: WorkerMetrics | None = None) -> None:
+        self.engine, self.storage, self.progress, self.hooks = engine, storage, progress, hooks
+        self.outcomes = Outcomes(app, progress, settings.max_attempts, metrics)
+        self.writer = BatchWriter(storage, engine.model, engine.devices, threads=store_threads)
+        # Takes the GATHERED batches away from the current connection's gatherer (worker.intake).
+        self.take_waiting: Callable[[], list[JobBatch]] = lambda: []
+        self._batches: list[JobBatch] = []  # the batches handed over by a gatherer and not settled
+        self._idle_since = time.monotonic()
+        # New shapes compile on their own thread; their batches wait COMPILING meanwhile.
+        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="compile")
+        self._compiling: dict[ShapeKey, Future[Any]] = {}
+        self.drained = False  # set once a warm shutdown has settled every job it held
+
+    def _held(self, *states: State) -> list[JobBatch]:
+        """The batches past gathering that hold jobs still, oldest first (in `states`, if given)."""
+        self._batches = [batch for batch in self._batches if batch.state is not State.SETTLED]
+        return [batch for batch in self._batches if not states or batch.state in states]
+
+    # -- receive ---------------------------------------------------------------------
+
+    def receive(self, request: Request) -> Job | None:
+        """The job of a delivered message, if it is one this worker can render; else it is
+        failed for good with the field, value and rule, and dead-lettered."""
+        spec = None
+        try:
+            if request.args:
+                raise JobError("args", request.args, "a job has keyword fields only")
+            spec = parse_job(request.kwargs, size_step=self.engine.model.size_step)
+            key = self.engine.check(spec)
+            self.engine.prefetch([spec], key)  # its init image is read while it waits for its batch
+            return Job(request, spec, key)
+        except JobError as err:
+            reason = f"invalid job: {err}"
+        except Exception as err:  # noqa: BLE001 - a bug here must not stop the worker either
+            log.exception("job %s could not be read", request.id)
+            reason = f"unreadable job: {type(err).__name__}: {err}"
+        self.outcomes.invalid(request, reason, request.delivery_info.get("routing_key") or "?", spec)
+        return None
+
+    # -- admit -----------------------------------------------------------------------
+
+    def process(self, batch: JobBatch) -> None:
+        """Admit a gathered batch and start it on the devices, once its program is compiled."""
+        self._admit(batch)
+        if batch.state is State.SETTLED:
+            return
+        self._batches.append(batch)
+        if self.engine.ready(batch.key):
+            self._start(batch)
+            return
+        batch.compiling()
+        if batch.key not in self._compiling:
+            log.info("%s: compiling a new program (batches of it wait meanwhile)", batch.key)
+            self._compiling[batch.key] = self._compiler.submit(self.engine.compiled, batch.key)
+
+    def _admit(self, batch: JobBatch) -> None:
+        """Skip cancelled campaigns' jobs; count attempts; a job whose sidecar is stored
+        already (its worker died before the ack) is not rendered again."""
+        try:
+            cancelled = self.progress.cancelled_among({job.campaign for job in batch.jobs})
+            attempts = self.progress.started(job.ident for job in batch.jobs if job.campaign not in cancelled)
+        except BROKER_ERRORS as err:
+            for job in batch.release_all():
+                self.outcomes.retry(job, f"broker: {err}", counts=False)
+            return
+        counted = iter(attempts)
+        for job in list(batch.jobs):
+            if job.campaign in cancelled:
+                self.outcomes.skipped(batch.release(job))
+                continue
+            job.attempt = next(counted)
+            if job.attempt > 1:  # its last worker may have stored it and died before the ack
+                try:
+                    record = self._stored_sidecar(job)
+                except Exception as err:  # noqa: BLE001 - storage away: try again later
+                    self.outcomes.retry(batch.release(job), f"storage: {err!r}", counts=False)
+                    continue
+                if record is not None:
+                    self.outcomes.succeeded([(batch.release(job), self._result(job, record, already_stored=True))])
+                    continue
+            task_accepted(job.request)
+            job.request.send_event("task-started")
+
+    def _stored_sidecar(self, job: Job) -> dict[str, Any] | None:
+        """The sidecar of a job stored already, its manifest line written now unless the part
+        the sidecar names holds it already; None if it is not stored. Raises what storage raises."""
+        try:
+            record = json.loads(self.storage.get(sidecar_name(job.campaign, job.spec.job_id)))
+        except FileNotFoundError:
+            return None
+        manifest = self.writer.manifest
+        if not manifest.holds(job.campaign, record.get("manifest_part", MANIFEST_BASENAME), job.spec.job_id):
+            manifest.append(job.campaign, manifest.new_part(job.campaign), [(job.spec.job_id, json.dumps(record))])
+        return record
+
+    def _result(self, job: Job, record: dict[str, Any], **extra: Any) -> dict[str, Any]:
+        """What a stored job's success says (Flower's event): where it is and what it cost."""
+        return {"job_id": job.spec.job_id, "png_sha256": record.get("png_sha256"),
+                "url": self.storage.url(sidecar_name(job.campaign, job.spec.job_id)),
+                "device_seconds": record.get("device_seconds", 0.0),
+                "nsfw": (record.get("scores") or {}).get("nsfw"),
+                "gate_passed": (record.get("gate") or {}).get("passed"), **extra}
+
+    # -- render ----------------------------------------------------------------------
+
+    def _start(self, batch: JobBatch) -> None:
+        """Start the batch on the devices and hand the one before, now rendered, to the
+        writer: the devices work while the consumer gathers the next batch. A job whose init
+        image cannot be read is taken out first; the rest render."""
+        self._unreadable(batch)
+        if batch.state is State.SETTLED:
+            return
+        before = self._held(State.RENDERING)
+        try:
+            started = self.engine.start([job.spec for job in batch.jobs], batch.key, list(range(len(batch.jobs))))
+        except Exception:  # noqa: BLE001 - a poison job must not fail the others
+            self._one_by_one(batch)
+            return
+        batch.rendering(started)
+        for earlier in before:
+            self._collect(earlier)
+
+    def _unreadable(self, batch: JobBatch) -> None:
+        """Image jobs whose source is not their image (missing, not an image, changed) fail for
+        good, dead-lettered with the reason; those whose storage is away go back on the queue."""
+        jobs = list(batch.jobs)
+        for n, error in self.engine.init_images.unreadable([job.spec for job in jobs], batch.key.width,
+                                                           batch.key.height).items():
+            job = batch.release(jobs[n])
+            if isinstance(error, JobError):
+                queue = job.request.delivery_info.get("routing_key") or "?"
+                self.outcomes.invalid(job.request, f"invalid job: {error}", queue, job.spec)
+            else:
+                self.outcomes.retry(job, f"storage: {type(error).__name__}: {error}", counts=False)
+
+    def _collect(self, batch: JobBatch) -> None:
+        """Wait for a batch on the devices, then hand it to the writer. The wait gives up
+        once the worker is stopping: the main thread must get back to Celery's loop for
+        the drain to start, and the drain takes the batch from there."""
+        self._idle_since = time.monotonic()
+        while not batch.inflight.ready():
+            if self.writer.stopping.wait(WAIT_SLICE):
+                return
+        try:
+            rendered = self.engine.collect(batch.inflight)
+        except Exception:  # noqa: BLE001
+            self._one_by_one(batch)
+            return
+        self._store(batch, rendered)
+
+    def _one_by_one(self, batch: JobBatch) -> None:
+        log.warning("batch of %d raised; rendering its jobs one by one", len(batch.jobs), exc_info=True)
+        batch.rendering(None)
+        rendered = []
+        for job in list(batch.jobs):
+            try:
+                rendered += self.engine.render([job.spec])
+            except Exception as err:  # noqa: BLE001
+                self.outcomes.retry(batch.release(job), f"render: {type(err).__name__}: {err}")
+        if batch.state is State.RENDERING:
+            self._store(batch, rendered)
+
+    # -- store -----------------------------------------------------------------------
+
+    def _store(self, batch: JobBatch, rendered: list[Rendered]) -> None:
+        batch.storing(rendered)
+        self.writer.submit(rendered, functools.partial(self._stored, batch),  # stored and acked while
+                           functools.partial(self._store_failed, batch))     # the next batch renders
+
+    def _stored(self, batch: JobBatch, records: list[dict[str, Any]]) -> None:
+        self.outcomes.succeeded([(job, self._result(job, record)) for job, record in batch.stored(records)])
+
+    def _store_failed(self, batch: JobBatch, result: Rendered, error: Exception) -> None:
+        job = batch.unstored(result)
+        if job is not None:
+            self.outcomes.retry(job, f"storage: {error!r}", counts=False)  # not the job's fault
+
+    # -- the consumer's timer ----------------------------------------------------------
+
+    def idle_seconds(self) -> float:
+        """How long the devices have had no batch (0 while they have one)."""
+        return 0.0 if self._held(State.RENDERING) else time.monotonic() - self._idle_since
+
+    def poll(self) -> None:
+        """Start batches whose program is now compiled, collect a finished batch, and
+        settle what has been stored."""
+        for key in [key for key, future in self._compiling.items() if future.done()]:
+            error = self._compiling.pop(key).exception()
+            for batch in self._held(State.COMPILING):
+                if batch.key != key:
+                    continue
+                if error is None:
+                    self._start(batch)
+                else:
+                    for job in batch.release_all():
+                        self.outcomes.failed(job, f"compile: {error}")
+        for batch in self._held(State.RENDERING):
+            if batch.inflight is not None and batch.inflight.ready():
+                self._collect(batch)
+        self.writer.poll()
+        busy = bool(self._held(State.RENDERING, State.STORING))
+        for hook in self.hooks:
+            hook.polled(busy)
+
+    # -- stopping --------------------------------------------------------------------
+
+    def drain(self, until: float) -> None:
+        """Warm shutdown (SIGTERM; a spot VM's notice): store what can be stored by `until`
+        (monotonic); `give_back` then puts every other job back on its queue."""
+        self.writer.stopping.set()
+        for batch in self._held(State.RENDERING):
+            while not batch.inflight.ready() and time.monotonic() < until:
+                time.sleep(0.05)
+            if batch.inflight.ready():
+                self._collect(batch)
+        self.writer.finish(until=until)
+
+    def give_back(self) -> None:
+        """Put every job still held back on its queue now, not after the visibility timeout
+        (a batch still on the devices included: its results are dropped); an unfinished
+        attempt does not count."""
+        self.writer.abandon()  # what is still storing goes back on the queue with the rest
+        batches = self.take_waiting() + self._held()
+        waiting = [job for batch in batches for job in batch.release_all()]
+        self.outcomes.put_back(waiting, "the worker is stopping")
+        self.drained = True
+        log.info("drained: %d jobs put back on the queue", len(waiting))
