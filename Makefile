@@ -18,7 +18,7 @@ $(BIN)/.installed: pyproject.toml requirements.lock
 	$(BIN)/python -m pip install -q -c requirements.lock -e ".[worker,test]"
 	touch $@
 
-# The benchmarks also measure PNG sizes on photographs that scikit-image ships (bench/png.py).
+# The benchmarks also measure PNG sizes on photographs that scikit-image ships (bench/host.py png).
 $(BIN)/.bench-installed: $(BIN)/.installed
 	$(BIN)/python -m pip install -q -c requirements.lock -e ".[worker,test,bench]"
 	touch $@
@@ -46,7 +46,11 @@ system-packages:
 	@command -v redis-server >/dev/null && command -v chromium >/dev/null || \
 		{ $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $(SYSTEM_PACKAGES); }
 
-BENCHMARKS := engine_vs_direct modules tokenizer parallelism farm overlap png warmstart shapes ingest fleet flops dtype few_step window flux accelerator scores
+# Five benchmarks, one question each (docs/performance.md): what a model costs per image on a chip
+# (cost), how fast the engine renders against diffusers (engine), how many jobs per second the control
+# plane moves (control), what storage and encoding cost beside the devices (host), what a windowed
+# campaign holds in Redis (window). Each one's default is its fast part; flags and parts select the rest.
+BENCHMARKS := cost engine control host window
 
 bench: $(BIN)/.bench-installed system-packages
 	set -e; for name in $(BENCHMARKS); do echo "== bench/$$name.py"; PYTHONPATH=. $(BIN)/python bench/$$name.py; done

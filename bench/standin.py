@@ -4,7 +4,7 @@
 engine's rendering replaced: a batch "renders" in SECONDS on a device that does one batch
 after another (an accelerator that is never slow to answer); dispatch returns at once, as
 JAX's does, and the images are blank. Everything else is the real worker: validation,
-batching, storing, acknowledgements (bench/farm.py, bench/fleet.py).
+batching, storing, acknowledgements (bench/control.py worker and fleet, bench/host.py).
 """
 
 from __future__ import annotations

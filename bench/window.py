@@ -6,7 +6,7 @@ with the worker's own code and scripts, as fast as they can: pop messages and re
 unacked (worker/lua/pop_and_record.lua), open each at the door (worker.envelope), mark them
 started and finished (renderfarm.progress, lua/finish.lua), and ack them. No Celery and no
 devices: the farm's control plane at its fastest on this machine, so a window that holds it
-back shows. (bench/fleet.py runs real worker processes; at its 2.2 ms of CPU per job, 10
+back shows. (bench/control.py fleet runs real worker processes; at its 2.2 ms of CPU per job, 10
 million jobs would take this 2-core machine three hours.)
 
 Prints, for each run: jobs, jobs/s from the start of the run (its scan included) to the last
@@ -14,8 +14,11 @@ job finished, and Redis's peak memory over its baseline (INFO used_memory_peak).
 per queued job: a fresh Redis, a campaign of --bytes-jobs jobs submitted with no worker,
 used_memory after minus before, per job, by key.
 
-Usage: PYTHONPATH=. python bench/window.py [--jobs 10000000] [--compare-jobs 1000000]
-       [--window 100000] [--workers 2] [--bytes-jobs 100000]
+Usage: PYTHONPATH=. python bench/window.py [--jobs 300000] [--compare-jobs 100000]
+       [--window 20000] [--workers 2] [--bytes-jobs 20000]
+
+The defaults take about a minute on a 2-core machine (`make bench`); docs/performance.md's
+figures are `--jobs 10000000 --compare-jobs 1000000 --window 100000 --bytes-jobs 100000`.
 """
 
 from __future__ import annotations
@@ -135,12 +138,12 @@ def bytes_per_job(jobs: int, window: bool, folder: Path) -> tuple[float, dict[st
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--jobs", type=int, default=10_000_000)
-    parser.add_argument("--compare-jobs", type=int, default=1_000_000,
+    parser.add_argument("--jobs", type=int, default=300_000, help="the windowed campaign's size")
+    parser.add_argument("--compare-jobs", type=int, default=100_000,
                         help="the size both ways are run at (all at once must fit this machine's memory)")
-    parser.add_argument("--window", type=int, default=100_000)
+    parser.add_argument("--window", type=int, default=20_000)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--bytes-jobs", type=int, default=100_000)
+    parser.add_argument("--bytes-jobs", type=int, default=20_000)
     parser.add_argument("--consume", nargs=2, metavar=("URL", "QUEUE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.consume:

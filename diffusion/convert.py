@@ -140,6 +140,37 @@ def target(kind: str, name: str, ndim: int) -> Target | None:
     return Target((*layers, leaf), None)
 
 
+# Stems whose `_N` is part of the PyTorch name (`linear_1`, T5's `wi_0`), not a joined list index.
+_NAMES_WITH_INDEX = frozenset({"linear", "wi"})
+_FLAX_LEAVES = frozenset({"kernel", "scale", "embedding"})  # each is PyTorch's `weight`
+
+
+def torch_name(kind: str, path: FlaxPath) -> str:
+    """The PyTorch name of our Flax parameter `path`: the inverse of `target`, so a folder written
+    under these names loads in diffusers and transformers (harness/torch_pipeline.py writes one)
+    and back here. tests/test_torch_pipeline.py checks it against `target` for every family and
+    against checkpoints diffusers saved."""
+    rules = _KINDS[kind]
+    *layers, leaf = path
+    inverse = {flax: torch for torch, flax in rules.renames.items()}
+    names = []
+    for layer in layers:
+        layer = inverse.get(layer, layer)
+        stem, _, index = layer.rpartition("_")
+        joined = rules.join_index and index.isdigit() and stem and stem not in _NAMES_WITH_INDEX
+        names.append(f"{stem}.{index}" if joined else layer)
+    return ".".join([*names, "weight" if leaf in _FLAX_LEAVES else leaf])
+
+
+def torch_shape(leaf: str, shape: Shape) -> Shape:
+    """PyTorch's shape of a Flax parameter: kernels (H, W, I, O) -> (O, I, H, W) and (in, out) -> (out, in)."""
+    if leaf == "kernel" and len(shape) == 4:
+        return (shape[3], shape[2], shape[0], shape[1])
+    if leaf == "kernel" and len(shape) == 2:
+        return (shape[1], shape[0])
+    return tuple(shape)
+
+
 def plan(kind: str, shapes: Mapping[str, Shape], expected: Mapping[FlaxPath, Shape],
          where: str) -> dict[str, Target]:
     """Each PyTorch tensor's target; refuses (WeightsError naming `where`) a checkpoint that does

@@ -16,14 +16,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-PEAK_ENV = "RENDERFARM_PEAK_TFLOPS"  # per JAX device; overrides the table below
-# Dense bf16 peak per JAX device (vendor spec sheets). TPU v2 and v3 show each of a chip's
-# two TensorCores as a device; later TPUs and GPUs show one device per chip.
-PEAK_TFLOPS = {
-    "TPU v2": 22.5, "TPU v3": 61.5, "TPU v4": 275.0, "TPU v5 lite": 197.0, "TPU v5e": 197.0,
-    "TPU v5": 459.0, "TPU v5p": 459.0, "TPU v6 lite": 918.0, "TPU v6e": 918.0, "TPU7x": 2307.0,
-    "NVIDIA H100 PCIe": 756.0, "NVIDIA H100": 989.0, "NVIDIA H200": 989.0, "NVIDIA A100": 312.0,
-}
+from diffusion.targets import PEAK_TFLOPS
+
+PEAK_ENV = "RENDERFARM_PEAK_TFLOPS"  # per JAX device; overrides diffusion.targets' table
 
 
 def program_flops(compiled: Any) -> float | None:
@@ -71,7 +66,7 @@ def denoise_flops(program: float | None, unet_step: float | None, steps: int) ->
 
 
 def peak_flops(device_kind: str) -> float | None:
-    """Peak FLOP/s of one device: $RENDERFARM_PEAK_TFLOPS, else the table (longest matching
+    """Peak FLOP/s of one device: $RENDERFARM_PEAK_TFLOPS, else the chips' table (longest matching
     prefix of JAX's device_kind), else None (CPUs and unknown devices)."""
     if os.environ.get(PEAK_ENV):
         return float(os.environ[PEAK_ENV]) * 1e12

@@ -28,6 +28,16 @@ if TYPE_CHECKING:
     import jax
 
 GIB, GB = 2**30, 10**9
+# The one table of chips' peaks: dense bfloat16 TFLOP/s per JAX device, by JAX's device_kind
+# (vendor spec sheets). The targets below take theirs from it, and a worker on a device reads
+# its own (diffusion.flops.peak_flops). TPU v2 and v3 show each of a chip's two TensorCores as
+# a device; later TPUs and GPUs show one device per chip.
+PEAK_TFLOPS = {
+    "TPU v2": 22.5, "TPU v3": 61.5, "TPU v4": 275.0, "TPU v5 lite": 197.0, "TPU v5e": 197.0,
+    "TPU v5": 459.0, "TPU v5p": 459.0, "TPU v6 lite": 918.0, "TPU v6e": 918.0, "TPU7x": 2307.0,
+    "NVIDIA H100 PCIe": 756.0, "NVIDIA H100": 989.0, "NVIDIA H200": 989.0, "NVIDIA A100": 312.0,
+    "NVIDIA L4": 121.0,
+}
 # The share of a device's memory (HBM, or JAX's `bytes_limit` on the device itself) a program
 # may take: a GPU's limit is already JAX's 75%; on a TPU, 10% is left over.
 TPU_USABLE, GPU_USABLE = 0.9, 0.75
@@ -52,15 +62,22 @@ class Target:
         return None if self.memory is None else int(self.memory * self.usable)
 
 
+def _peak(device_kind: str, share: float = 1.0) -> float:
+    """FLOP/s of a device of `device_kind` (`share` of one, where a target's device is part of it)."""
+    return PEAK_TFLOPS[device_kind] * 1e12 * share
+
+
 TARGETS: dict[str, Target] = {target.name: target for target in (
-    Target("tpu-v4-8", "TPU v4-8 (4 chips, 8 TensorCores)", "tpu", 8, 16 * GIB, TPU_USABLE, 137.5e12, "v4:2x2x1"),
-    Target("tpu-v5e-8", "TPU v5e-8 (8 chips)", "tpu", 8, 16 * GIB, TPU_USABLE, 197e12, "v5e:2x4"),
-    Target("tpu-v5p-8", "TPU v5p-8 (4 chips)", "tpu", 4, 95 * GIB, TPU_USABLE, 459e12, "v5p:2x2x1"),
-    Target("tpu-v6e-8", "TPU v6e-8 (8 chips)", "tpu", 8, 32 * GIB, TPU_USABLE, 918e12, "v6e:2x4"),
-    Target("h100", "NVIDIA H100 SXM (1 GPU)", "cuda", 1, 80 * GB, GPU_USABLE, 989e12),
-    Target("h100-8", "NVIDIA H100 SXM x8", "cuda", 8, 80 * GB, GPU_USABLE, 989e12),
-    Target("a100-80g", "NVIDIA A100 80GB (1 GPU)", "cuda", 1, 80 * GB, GPU_USABLE, 312e12),
-    Target("l4", "NVIDIA L4 (1 GPU)", "cuda", 1, 24 * GB, GPU_USABLE, 121e12),
+    # libtpu's v4 topology compiles each chip as its two TensorCores: half a chip's memory and peak
+    Target("tpu-v4-8", "TPU v4-8 (4 chips, 8 TensorCores)", "tpu", 8, 16 * GIB, TPU_USABLE, _peak("TPU v4", 0.5),
+           "v4:2x2x1"),
+    Target("tpu-v5e-8", "TPU v5e-8 (8 chips)", "tpu", 8, 16 * GIB, TPU_USABLE, _peak("TPU v5 lite"), "v5e:2x4"),
+    Target("tpu-v5p-8", "TPU v5p-8 (4 chips)", "tpu", 4, 95 * GIB, TPU_USABLE, _peak("TPU v5p"), "v5p:2x2x1"),
+    Target("tpu-v6e-8", "TPU v6e-8 (8 chips)", "tpu", 8, 32 * GIB, TPU_USABLE, _peak("TPU v6 lite"), "v6e:2x4"),
+    Target("h100", "NVIDIA H100 SXM (1 GPU)", "cuda", 1, 80 * GB, GPU_USABLE, _peak("NVIDIA H100")),
+    Target("h100-8", "NVIDIA H100 SXM x8", "cuda", 8, 80 * GB, GPU_USABLE, _peak("NVIDIA H100")),
+    Target("a100-80g", "NVIDIA A100 80GB (1 GPU)", "cuda", 1, 80 * GB, GPU_USABLE, _peak("NVIDIA A100")),
+    Target("l4", "NVIDIA L4 (1 GPU)", "cuda", 1, 24 * GB, GPU_USABLE, _peak("NVIDIA L4")),
     Target("cpu", "this machine's CPU devices", "cpu", 0, None, 1.0, None),
 )}
 

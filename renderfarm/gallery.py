@@ -64,7 +64,7 @@ def make_thumbnail(image: bytes | Image.Image, size: int = THUMB_SIZE) -> bytes:
     else:
         thumb = image.convert("RGB")
     # Box-reduce by the whole factor first (reducing_gap=1), then Lanczos for the rest: the
-    # worker pays this for every image it stores (bench/png.py times both ways).
+    # worker pays this for every image it stores (`bench/host.py png` times both ways).
     thumb.thumbnail((size, size), Image.Resampling.LANCZOS, reducing_gap=1.0)
     out = io.BytesIO()
     thumb.save(out, format="JPEG", quality=85)
@@ -138,7 +138,7 @@ def contact_sheet(thumbs: list[bytes], total: int, tile: int = THUMB_SIZE, gap: 
             sheet.paste(thumb, (x, y))
     out = io.BytesIO()
     # zlib level 1, not `optimize=True`: a worker refreshes this every 30 s per running
-    # campaign (bench/png.py times both ways and gives both sizes).
+    # campaign (`bench/host.py png` times both ways and gives both sizes).
     text = PngImagePlugin.PngInfo()
     text.add_text(_SHEET_TOTAL, str(total))
     sheet.save(out, format="PNG", compress_level=1, pnginfo=text)

@@ -161,7 +161,7 @@ def test_storage_outage_is_retried(farm: Farm, bucket: Storage, tiny_sd: Path, g
 def test_interleaved_shapes_run_in_full_batches(farm: Farm, bucket: Storage, tiny_sd: Path,
                                                 tmp_path: Path) -> None:
     """Two shapes alternating on the queue: the worker groups them by shape key, so each
-    batch runs full instead of half padding (bench/shapes.py measures the fill)."""
+    batch runs full instead of half padding (`bench/engine.py shapes` measures the fill)."""
     model = tmp_path / "tiny-sd-shapes"  # its own queue, served by this worker alone
     shutil.copytree(tiny_sd, model)
     specs = [dataclasses.replace(spec, width=(64, 80)[i % 2])

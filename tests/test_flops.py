@@ -76,3 +76,17 @@ def test_peak_and_fraction_of_peak(monkeypatch: pytest.MonkeyPatch) -> None:
     assert describe_rate(None, 2.0, "cpu", 8) == "FLOP/s unknown"
     monkeypatch.setenv(PEAK_ENV, "100")
     assert peak_flops("cpu") == 100e12
+
+
+def test_a_targets_peak_is_what_a_worker_on_its_device_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One table of chips: `renderfarm plan`'s targets and a worker's own device agree (a v4
+    target's device is one of a chip's two TensorCores, with half its peak)."""
+    from diffusion.targets import TARGETS
+
+    monkeypatch.delenv(PEAK_ENV, raising=False)
+    kinds = {"tpu-v5e-8": "TPU v5 lite", "tpu-v5p-8": "TPU v5p", "tpu-v6e-8": "TPU v6 lite", "h100": "NVIDIA H100 80GB HBM3",
+             "h100-8": "NVIDIA H100 80GB HBM3", "a100-80g": "NVIDIA A100-SXM4-80GB", "l4": "NVIDIA L4"}
+    for name, kind in kinds.items():
+        assert TARGETS[name].peak_flops == peak_flops(kind), name
+    assert TARGETS["tpu-v4-8"].peak_flops == peak_flops("TPU v4") / 2
+    assert TARGETS["cpu"].peak_flops is None

@@ -4,8 +4,8 @@ and calls the jitted functions of `diffusion.generate`.
 
 Where the weights live and what program a shape compiles to is the model's placement
 (diffusion/placement.py, decided when it was loaded): whole copies of the weights and a
-per-device program under `shard_map` (docs/performance.md has the measurements against pmap
-and against jit's automatic partitioning), or weights split over a model axis and one program
+per-device program under `shard_map` (docs/performance.md, "Choices not benchmarked here",
+says why not pmap or jit's automatic partitioning), or weights split over a model axis and one program
 partitioned over the (data, model) mesh. Batches go over the data axis either way.
 """
 

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from diffusion.targets import Target
     from worker.engine import Engine, ShapeKey
 
-UTILISATION = 0.5  # the ceiling's share of the peak (docs/performance.md, "The ceiling")
+UTILISATION = 0.5  # the share of the peak a worker should reach (docs/performance.md, "What a model costs per image on a chip")
 ERROR_LINES = 6  # of a compiler's error kept in the report
 log = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ about 8 ms for a 256x256 image and 0.4 s for a 1024x1024 photo on one core here,
 a host whose cores also feed the devices is time taken from rendering. This encoder
 applies the Paeth filter to the whole image with NumPy and deflates at level 1 with the
 run-length strategy, through zlib-ng (the same format and sizes as zlib, faster:
-`bench/png.py` prints both): several times faster than Pillow, and on photographs within a few percent of its
-size (`bench/png.py` measures both on real photos and on noise). In the worker the devices
+`bench/host.py png` prints both): several times faster than Pillow, and on photographs within a few percent of its
+size (`bench/host.py png` measures both on real photos and on noise). In the worker the devices
 filter (diffusion.generate.png_scanlines: nothing to them, a NumPy pass per image to the host),
 so the host only deflates; NumPy and zlib-ng release the GIL, so the store threads encode
 in parallel.

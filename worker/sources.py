@@ -1,7 +1,7 @@
 """Image jobs' sources read ahead: a job's init image (and an inpainting job's mask) is read,
 checked against its digest, decoded and resized on threads of its own from the moment the
 worker takes the job, so storage reads overlap the devices' work instead of stalling them
-(bench/image_reads.py).
+(`bench/host.py reads`).
 
 A source is read once for every job that starts from it at the same size: a campaign that
 renders each photo at three strengths reads each photo once.

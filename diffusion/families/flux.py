@@ -169,11 +169,9 @@ def kohya_modules(config: FluxConfig) -> dict[str, list[tuple[str, int, int]]]:
     return {module: bfl.diffusers_modules(module, config) for module in bfl.bfl_modules(config)}
 
 
-def tiny(family: Family, out: pathlib.Path, seed: int) -> None:
-    """A tiny random dev (guidance embedding, dynamic shift): one block of each kind, a
-    two-layer T5 and CLIP, a four-block 16-channel VAE (64x64 native, factor 8)."""
-    vocab = clip_tokenizer_files(out / "tokenizer", pad=EOS)
-    t5_vocab = t5_tokenizer_files(out / "tokenizer_2")
+def tiny_configs(clip_vocab: int, t5_vocab: int) -> dict[str, dict[str, Any]]:
+    """The tiny dev's component configs (one block of each kind, a two-layer T5 and CLIP, a
+    four-block 16-channel VAE: 64x64 native, factor 8) for tokenizers of these sizes."""
     t5 = {"model_type": "t5", "vocab_size": t5_vocab, "d_model": 32, "d_kv": 8, "d_ff": 48, "num_layers": 2,
           "num_heads": 4, "relative_attention_num_buckets": 8, "relative_attention_max_distance": 32,
           "feed_forward_proj": "gated-gelu"}
@@ -184,11 +182,17 @@ def tiny(family: Family, out: pathlib.Path, seed: int) -> None:
            "up_block_types": ["UpDecoderBlock2D"] * 4, "layers_per_block": 1, "latent_channels": 16,
            "norm_num_groups": 8, "sample_size": 64, "scaling_factor": 0.3611, "shift_factor": 0.1159,
            "use_quant_conv": False, "use_post_quant_conv": False}
-    configs = {"text_encoder": text_config(vocab), "text_encoder_2": t5, "transformer": transformer, "vae": vae}
+    return {"text_encoder": text_config(clip_vocab), "text_encoder_2": t5, "transformer": transformer, "vae": vae}
+
+
+def tiny(family: Family, out: pathlib.Path, seed: int) -> None:
+    """A tiny random dev (guidance embedding, dynamic shift): `tiny_configs`' networks."""
+    vocab = clip_tokenizer_files(out / "tokenizer", pad=EOS)
+    t5_vocab = t5_tokenizer_files(out / "tokenizer_2")
     scheduler = {"_class_name": "FlowMatchEulerDiscreteScheduler", "base_image_seq_len": 256, "base_shift": 0.5,
                  "max_image_seq_len": 4096, "max_shift": 1.15, "num_train_timesteps": 1000, "shift": 3.0,
                  "use_dynamic_shifting": True}  # FLUX.1-dev's
-    write_pipeline(out, family, configs, scheduler, seed,
+    write_pipeline(out, family, tiny_configs(vocab, t5_vocab), scheduler, seed,
                    {"tokenizer": ["transformers", "CLIPTokenizer"], "tokenizer_2": ["transformers", "T5TokenizerFast"]})
 
 

@@ -18,7 +18,7 @@ Kernels (`KERNELS`):
 - "splash": the Pallas TPU splash-attention kernel, on (B, N, T, H) padded to its blocks.
 
 The rule (`choose`), GPU and TPU figures unmeasured (no device where it was written):
-- CPU: "batch" everywhere. bench/modules.py, ms per UNet call (tiny SD / SDXL, batch 16,
+- CPU: "batch" everywhere. ms per UNet call (tiny SD / SDXL, batch 16,
   32x32 latents, 2-core CPU): heads 177 / 183, batch 163 / 164, split 296 / 277, diffusers'
   Flax UNet 177 / 173 ("heads" copies the (T, S) scores to transpose them on XLA:CPU).
   The CPU pixels in tests/test_reference.py are this path's.
@@ -36,7 +36,7 @@ The rule (`choose`), GPU and TPU figures unmeasured (no device where it was writ
   scores, N*T*S float32, fit in `CHUNK_SCORES` (2**24, 64 MiB), where one matmul beats a
   loop; "chunked" beyond, in chunks of that size: SD's VAE at 1024x1024 (16,384 tokens)
   would hold 1 GiB of scores per image, a float32 4096-token UNet self-attention 512 MiB.
-  Whether "batch" beats "heads" off the CPU too is for bench/modules.py on the device.
+  Whether "batch" beats "heads" off the CPU too is for a device to say (time the two with `use_kernel`).
 
 In a program partitioned over a (data, model) mesh (diffusion/placement.py), q, k and v are
 constrained to the batch over `data` and, in the network a family splits (the denoiser,
@@ -127,7 +127,7 @@ def choose(backend: str, q_shape: Sequence[int], k_shape: Sequence[int], dtype: 
 
 
 def default_layout() -> str:
-    """The XLA layout `choose` takes on this backend where no kernel applies (bench/modules.py)."""
+    """The XLA layout `choose` takes on this backend where no kernel applies."""
     return "batch" if current_backend() == "cpu" else "heads"
 
 
@@ -155,7 +155,7 @@ def for_backend(name: str) -> Iterator[None]:
         _backend.reset(token)
 
 
-use_layout = use_kernel  # its name when it chose among LAYOUTS only (bench/modules.py, tests)
+use_layout = use_kernel  # its name when it chose among LAYOUTS only (tests)
 
 
 @contextlib.contextmanager

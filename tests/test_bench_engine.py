@@ -1,5 +1,6 @@
-"""bench/accelerator.py: the torch-free PyTorch-format writer names tensors as diffusers and
-transformers do, its --smoke run prints sane figures, and the engine reports peak device memory."""
+"""bench/engine.py's device part: its --smoke run (SD 1.5, SDXL and Flux schnell, tiny) prints sane
+figures, with diffusers' pipelines beside it where torch is installed, and the engine reports
+peak device memory."""
 
 from __future__ import annotations
 
@@ -10,52 +11,21 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
-import jax
 import pytest
-from flax.traverse_util import flatten_dict
-from safetensors import safe_open
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "bench" / "accelerator.py"
-ORACLE = ROOT / "tests" / "data" / "oracle"
+SCRIPT = ROOT / "bench" / "engine.py"
+MODELS = {"sd15": "SD 1.5 64x64", "sdxl": "SDXL 64x64", "flux-schnell": "Flux.1 schnell 64x64"}
 FIGURES = ("load:", "compile: cold", "warm start:", "steady state:", "FLOPs per image:", "peak device memory:")
-
-
-def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_accelerator", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
-
-
-@pytest.mark.parametrize("name", ["sd1", "sd2", "sdxl"])
-def test_torch_names_and_shapes_are_diffusers_own(name: str) -> None:
-    """The writer's names and shapes for our parameters are exactly those of the oracle's
-    checkpoints, which diffusers' and transformers' save_pretrained wrote."""
-    from diffusion.families import detect
-
-    bench, folder = _bench(), ORACLE / name / "model"
-    family = detect(str(folder), json.loads((folder / "model_index.json").read_text()))
-    for component, spec in family.components.items():
-        module = spec.module(spec.config.from_dict(json.loads((folder / component / "config.json").read_text())))
-        shapes = flatten_dict(jax.eval_shape(module.init_params, jax.random.PRNGKey(0)))
-        ours = {bench._torch_name(spec.kind, path): bench._torch_shape(path[-1], tuple(leaf.shape))
-                for path, leaf in shapes.items()}
-        file = "model.safetensors" if spec.kind.startswith("clip") else "diffusion_pytorch_model.safetensors"
-        with safe_open(str(folder / component / file), "np") as saved:
-            theirs = {key: tuple(saved.get_slice(key).get_shape()) for key in saved.keys()}  # noqa: SIM118
-        theirs.pop("text_model.embeddings.position_ids", None)  # a buffer, not a parameter
-        assert ours == theirs, f"{name}/{component}"
 
 
 def _smoke(tmp_path: Path, *extra: str) -> tuple[str, dict[str, Any]]:
     out = tmp_path / "figures.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("RENDERFARM_PEAK_TFLOPS", None)
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--json", str(out), "--workdir",
+    proc = subprocess.run([sys.executable, str(SCRIPT), "device", "--smoke", "--json", str(out), "--workdir",
                            str(tmp_path / "work"), *extra], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -63,12 +33,12 @@ def _smoke(tmp_path: Path, *extra: str) -> tuple[str, dict[str, Any]]:
 
 
 def _check_ours(stdout: str, figures: dict[str, Any]) -> None:
-    assert set(figures["models"]) == {"sd15", "sdxl"}
-    for label in ("SD 1.5 64x64", "SDXL 64x64"):
+    assert set(figures["models"]) == set(MODELS)
+    for label in MODELS.values():
         assert label in stdout
     for line in FIGURES:
-        assert stdout.count(line) == 2, line
-    assert stdout.count("peak device memory: not reported (the cpu backend gives no memory_stats)") == 2
+        assert stdout.count(line) == len(MODELS), line
+    assert stdout.count("peak device memory: not reported (the cpu backend gives no memory_stats)") == len(MODELS)
     for name, model in figures["models"].items():
         cold, warm = model["cold"], model["warm"]
         for key in ("load_seconds", "compile_seconds", "program_seconds", "first_batch_seconds",
@@ -84,21 +54,27 @@ def _check_ours(stdout: str, figures: dict[str, Any]) -> None:
         assert cold["platform"] == "cpu" and cold["devices"] == 1
 
 
+# The peer's torch and diffusers: this venv's, else the oracle's (`make oracle`), run as a separate interpreter.
+ORACLE_PYTHON = ROOT / "build" / "oracle-venv" / "bin" / "python"
+PEER_PYTHON = (sys.executable if importlib.util.find_spec("torch") and importlib.util.find_spec("diffusers")
+               else str(ORACLE_PYTHON) if ORACLE_PYTHON.is_file() else None)
+
+
 def test_smoke_prints_sane_figures(tmp_path: Path) -> None:
-    stdout, figures = _smoke(tmp_path)
+    """Ours for the three families, and diffusers' pipelines on the same folders beside them
+    where torch is installed (one run: the smoke is the slow part)."""
+    peer = ("--peer", "--peer-python", PEER_PYTHON) if PEER_PYTHON else ()
+    stdout, figures = _smoke(tmp_path, *peer)
     _check_ours(stdout, figures)
-    assert "ours / theirs" not in stdout
-
-
-@pytest.mark.skipif(importlib.util.find_spec("torch") is None or importlib.util.find_spec("diffusers") is None,
-                    reason="the peer needs torch and diffusers, which the worker's venv does not have")
-def test_smoke_with_the_peer(tmp_path: Path) -> None:
-    stdout, figures = _smoke(tmp_path, "--peer")
-    _check_ours(stdout, figures)
-    assert stdout.count("ours / theirs (images/s per device):") == 2
-    for model in figures["models"].values():
-        assert model["peer"]["images_per_second"] > 0 and model["peer"]["load_seconds"] > 0
+    if not PEER_PYTHON:
+        assert "ours / theirs" not in stdout
+        return
+    assert stdout.count("ours / theirs (images/s per device):") == len(MODELS)
+    for name, model in figures["models"].items():
+        assert model["peer"]["images_per_second"] > 0 and model["peer"]["load_seconds"] > 0, name
         assert model["ratio"] > 0
+    assert figures["models"]["flux-schnell"]["peer"]["dtype"] == "bfloat16"
+    assert "FluxPipeline" in stdout
 
 
 class _Device:
