@@ -49,12 +49,12 @@ def abstract_model(ref: str, dtype: str = "bfloat16") -> LoadedModel:
 
     from diffusion.families import detect
     from diffusion.family import Networks
-    from diffusion.models import DTYPES, LoadedModel, _config, _read_json, is_single_file, resolve
+    from diffusion.models import JAX_DTYPES, LoadedModel, _config, _read_json, is_single_file, resolve
     from diffusion.nn import parameter_shapes
     from diffusion.tokenizer import TokenizerError
 
-    if dtype not in DTYPES:
-        raise JobError("dtype", dtype, f"must be one of {', '.join(DTYPES)}")
+    if dtype not in JAX_DTYPES:
+        raise JobError("dtype", dtype, f"must be one of {', '.join(JAX_DTYPES)}")
     local = Path(ref).expanduser().exists()
     if not local and "/" not in ref:  # not a folder, not a hub id: a published architecture's name
         published = architecture(ref)
@@ -74,10 +74,10 @@ def abstract_model(ref: str, dtype: str = "bfloat16") -> LoadedModel:
             tokenizers = [load(folder / name) for name, load in family.tokenizers.items()]
         except TokenizerError as err:
             raise JobError("model", ref, str(err)) from None
-    modules = {name: component.module(_config(ref, family, name, configs), dtype=DTYPES[dtype])
+    modules = {name: component.module(_config(ref, family, name, configs), dtype=JAX_DTYPES[dtype])
                for name, component in family.components.items()}
     cast = lambda leaf: jax.ShapeDtypeStruct(  # noqa: E731 - floating weights in `dtype`, as the loader holds them
-        leaf.shape, DTYPES[dtype] if jax.numpy.issubdtype(leaf.dtype, jax.numpy.floating) else leaf.dtype)
+        leaf.shape, JAX_DTYPES[dtype] if jax.numpy.issubdtype(leaf.dtype, jax.numpy.floating) else leaf.dtype)
     params = {name: jax.tree.map(cast, parameter_shapes(module)) for name, module in modules.items()}
     options = tuple((name, index.get(name, default)) for name, default in family.options)
     return LoadedModel(ref=ref, revision=revision, family=family, dtype=dtype, variant=None,

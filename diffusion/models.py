@@ -67,7 +67,7 @@ from diffusion.weights import (
 from renderfarm.jobs import DTYPES as JOB_DTYPES
 from renderfarm.jobs import SCHEDULERS, JobError, JobSpec, Lora, check_variant
 
-DTYPES = {name: jnp.dtype(name) for name in JOB_DTYPES}
+JAX_DTYPES = {name: jnp.dtype(name) for name in JOB_DTYPES}
 DIGESTS = "sha256.json"  # in the model cache: diffusion/digests.py
 # A single file's default base, by the family its tensors show: configs and tokenizers only.
 STANDARD_BASES = {"flux-schnell": "black-forest-labs/FLUX.1-schnell", "flux-dev": "black-forest-labs/FLUX.1-dev",
@@ -337,8 +337,8 @@ def load_model(ref: str, dtype: str = "float32", variant: str | None = None, bas
     with `model_parallel` N > 1 one copy per N devices, split over them as its family states
     (diffusion.placement; None: the fewest that fit the devices' memory). The time it took is logged."""
     started = time.perf_counter()
-    if dtype not in DTYPES:
-        raise JobError("dtype", dtype, f"must be one of {', '.join(DTYPES)}")
+    if dtype not in JAX_DTYPES:
+        raise JobError("dtype", dtype, f"must be one of {', '.join(JAX_DTYPES)}")
     if variant is not None:
         check_variant(variant)
     weights: list[dict[str, Any]] = []
@@ -370,14 +370,14 @@ def load_model(ref: str, dtype: str = "float32", variant: str | None = None, bas
         loading: dict[str, concurrent.futures.Future] = {}
         try:
             for name, component in family.components.items():
-                modules[name] = component.module(_config(ref, family, name, configs), dtype=DTYPES[dtype])
+                modules[name] = component.module(_config(ref, family, name, configs), dtype=JAX_DTYPES[dtype])
                 expected = parameter_shapes(modules[name])
                 if name in sources:
                     loading[name] = loader.submit(load_tensors, _where(folder / name, sources[name]), component.kind,
-                                                  sources[name], expected, DTYPES[dtype], deltas.get(name),
+                                                  sources[name], expected, JAX_DTYPES[dtype], deltas.get(name),
                                                   sharding=sharding)
                 else:  # Flax msgpack
-                    loading[name] = loader.submit(load_weights, folder, name, component.kind, expected, DTYPES[dtype],
+                    loading[name] = loader.submit(load_weights, folder, name, component.kind, expected, JAX_DTYPES[dtype],
                                                   variant, sharding=sharding)
         except BaseException:
             for future in loading.values():  # an earlier component's error first, as if loaded one by one
@@ -407,7 +407,7 @@ def _fitting_model_parallel(ref: str, folder: Path, family: Family, sources: dic
                             dtype: str, devices: list[jax.Device]) -> int:
     """`choose_model_parallel` for this model's weights in `dtype` (safetensors: their tensors'
     sizes; Flax msgpack: the files' sizes) and the memory JAX may use on the devices."""
-    size = DTYPES[dtype].itemsize
+    size = JAX_DTYPES[dtype].itemsize
     weight_bytes = sum(math.prod(info.shape) * size for tensors in sources.values() for info in tensors.values())
     weight_bytes += sum(path.stat().st_size for name in family.components if name not in sources
                         for path in (folder / name).glob("*.msgpack"))

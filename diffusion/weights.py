@@ -56,7 +56,7 @@ FLAX_FILES = ("diffusion_flax_model.msgpack", "flax_model.msgpack")
 PICKLE_SUFFIXES = (".bin", ".ckpt", ".pt", ".pth")
 MAX_HEADER = 100 * 2**20  # SDXL's UNet header is ~200 KB
 MAX_INDEX = 16 * 2**20  # a shard index lists names only
-DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+NUMPY_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 _SHARD_RE = re.compile(r".*-\d+-of-\d+")
 
 
@@ -527,9 +527,9 @@ def _read_msgpack(path: Path, wanted: Mapping[tuple[str, ...], tuple[int, ...]],
 
 def _target_dtype(dtype: Any) -> np.dtype:
     name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
-    if name not in DTYPES:
-        raise JobError("dtype", name, f"must be one of {', '.join(DTYPES)}")
-    return DTYPES[name]
+    if name not in NUMPY_DTYPES:
+        raise JobError("dtype", name, f"must be one of {', '.join(NUMPY_DTYPES)}")
+    return NUMPY_DTYPES[name]
 
 
 def _flat_expected(expected: Any) -> tuple[dict[tuple[str, ...], tuple[int, ...]], bool]:

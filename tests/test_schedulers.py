@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diffusion.schedulers import SCHEDULERS, Scheduler, make
+from diffusion.schedulers import SCHEDULER_CLASSES, Scheduler, make
 
 DATA = Path(__file__).parent / "data" / "schedulers"
 REFERENCE = json.loads((DATA / "cases.json").read_text(encoding="utf-8"))
@@ -189,11 +189,11 @@ def test_training_schedule_matches_torch(schedule: str) -> None:
                                rtol=1e-5 if ddim.rescale_betas_zero_snr else 0)
 
 
-@pytest.mark.parametrize("name", SCHEDULERS)
+@pytest.mark.parametrize("name", SCHEDULER_CLASSES)
 def test_options_and_defaults_are_diffusers(name: str) -> None:
     """Each class knows exactly its PyTorch class's options, with its defaults, plus (lms, dpm)
     the sigma bounds diffusers registers from another class's config."""
-    ours = {f.name: getattr(make(name, {}), f.name) for f in dataclasses.fields(SCHEDULERS[name])}
+    ours = {f.name: getattr(make(name, {}), f.name) for f in dataclasses.fields(SCHEDULER_CLASSES[name])}
     theirs = dict(REFERENCE["classes"][name])
     if name in ("lms", "dpm"):
         theirs |= {"sigma_min": None, "sigma_max": None}

@@ -39,7 +39,7 @@ from renderfarm.jobs import check_sampler
 
 __all__ = [
     "CLASS_NAMES",
-    "SCHEDULERS",
+    "SCHEDULER_CLASSES",
     "DDIMScheduler",
     "DDIMState",
     "DPMScheduler",
@@ -61,14 +61,14 @@ __all__ = [
 ]
 
 # The job contract's scheduler names (renderfarm.jobs.SCHEDULERS), each the port of a PyTorch class.
-SCHEDULERS = {cls.name: cls for cls in (PNDMScheduler, DDIMScheduler, LMSScheduler, EulerScheduler, DPMScheduler,
+SCHEDULER_CLASSES = {cls.name: cls for cls in (PNDMScheduler, DDIMScheduler, LMSScheduler, EulerScheduler, DPMScheduler,
                                          EulerAncestralScheduler, LCMScheduler, FlowMatchEulerScheduler)}
-assert tuple(SCHEDULERS) == CONTRACT_SCHEDULERS, "renderfarm.jobs.SCHEDULERS names the schedulers"
+assert tuple(SCHEDULER_CLASSES) == CONTRACT_SCHEDULERS, "renderfarm.jobs.SCHEDULERS names the schedulers"
 # Image jobs start at any step: their schedulers noise an image to a step's level (add_noise).
-assert all(hasattr(SCHEDULERS[name], "add_noise") for name in IMAGE_SCHEDULERS)
-assert KARRAS_SCHEDULERS == tuple(n for n, c in SCHEDULERS.items() if issubclass(c, SigmaScheduleConfig))
+assert all(hasattr(SCHEDULER_CLASSES[name], "add_noise") for name in IMAGE_SCHEDULERS)
+assert KARRAS_SCHEDULERS == tuple(n for n, c in SCHEDULER_CLASSES.items() if issubclass(c, SigmaScheduleConfig))
 # Scheduler classes model folders name (PyTorch's and diffusers' Flax twins) -> the contract's names.
-CLASS_NAMES = {prefix + cls.diffusers_class: cls.name for cls in SCHEDULERS.values() for prefix in ("", "Flax")}
+CLASS_NAMES = {prefix + cls.diffusers_class: cls.name for cls in SCHEDULER_CLASSES.values() for prefix in ("", "Flax")}
 
 
 class Scheduler(Protocol):
@@ -96,12 +96,12 @@ def make(name: str, config: Mapping[str, Any], timestep_spacing: str | None = No
     """Scheduler `name` from a model's scheduler config, with diffusers' `from_config`
     semantics, and the job's sampler fields (None: the config's) set over it; unsupported
     options raise ValueError naming option and value."""
-    if name not in SCHEDULERS:
-        raise ValueError(f"unknown scheduler {name!r} (known: {', '.join(SCHEDULERS)})")
+    if name not in SCHEDULER_CLASSES:
+        raise ValueError(f"unknown scheduler {name!r} (known: {', '.join(SCHEDULER_CLASSES)})")
     check_sampler(name, timestep_spacing, karras)
     overrides: dict[str, Any] = {}
     if timestep_spacing is not None:
         overrides["timestep_spacing"] = timestep_spacing
     if karras is not None and name in KARRAS_SCHEDULERS:
         overrides["use_karras_sigmas"] = karras
-    return SCHEDULERS[name].from_config(config, **overrides)
+    return SCHEDULER_CLASSES[name].from_config(config, **overrides)
