@@ -1,5 +1,11 @@
 # Two commands set everything up on a fresh machine: `make demo` and `make test`.
-PYTHON ?= python3
+# Python 3.12: requirements.lock is resolved on it, and jax 0.12 (whose CUDA plugin compiles for
+# the GPU targets) needs it. The first that runs as 3.12 of `python3.12` on the PATH, pyenv's
+# 3.12 releases and `python3`; `make PYTHON=/path/to/python3.12` names one.
+PYTHON ?= $(shell for p in python3.12 $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12 python3; do \
+	"$$p" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null && { command -v "$$p"; break; }; done)
+# The oracle's venv keeps Python 3.11, where this machine's disk has torch's CPU wheel.
+ORACLE_PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # Eight JAX devices on the CPU, so data-parallel code runs for real without an accelerator.
@@ -10,12 +16,27 @@ export JAX_PLATFORMS ?= cpu
 SYSTEM_PACKAGES := redis-server chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test check bench lock clean system-packages oracle
+.PHONY: demo test check bench lock clean system-packages oracle python
 
-$(BIN)/.installed: pyproject.toml requirements.lock
+# Refuses to go on without a Python 3.12, saying where to get one; a venv of another Python
+# (made before the move to 3.12) is made anew.
+python:
+	@[ -n "$(PYTHON)" ] || { echo "No Python 3.12 found (python3.12, pyenv's 3.12.x or python3): requirements.lock needs" \
+		"one. Install it (pyenv install 3.12, or the system's python3.12 package) or name it:" \
+		"make PYTHON=/path/to/python3.12. On Python 3.11, pip install -e '.[worker,test]' without the lock" \
+		"gets jax 0.10.2, without GPU targets (README)." >&2; exit 1; }
+	@if [ -x $(BIN)/python ] && [ "$$($(BIN)/python -V 2>&1)" != "$$($(PYTHON) -V 2>&1)" ]; then \
+		echo "$(VENV) runs $$($(BIN)/python -V 2>&1), not $$($(PYTHON) -V 2>&1): making it anew"; rm -rf $(VENV); fi
+
+# cuDNN for the GPU targets' cuDNN attention (diffusion/targets.py), without the cuBLAS its wheel
+# asks for: compiling loads libcudnn and libcudnn_graph only (pyproject.toml, the test extra).
+CUDNN := nvidia-cudnn-cu12>=9.10.2.21,<10
+
+$(BIN)/.installed: pyproject.toml requirements.lock | python
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade "pip>=24"
 	$(BIN)/python -m pip install -q -c requirements.lock -e ".[worker,test]"
+	$(BIN)/python -m pip install -q -c requirements.lock --no-deps "$(CUDNN)"
 	touch $@
 
 # The benchmarks also measure PNG sizes on photographs that scikit-image ships (bench/host.py png).
@@ -61,7 +82,7 @@ bench: $(BIN)/.bench-installed system-packages
 ORACLE_VENV := build/oracle-venv
 oracle:
 	@if [ ! -f $(ORACLE_VENV)/.installed ] || [ tests/oracle/requirements.txt -nt $(ORACLE_VENV)/.installed ]; then \
-		set -e; rm -rf $(ORACLE_VENV); $(PYTHON) -m venv $(ORACLE_VENV); \
+		set -e; rm -rf $(ORACLE_VENV); $(ORACLE_PYTHON) -m venv $(ORACLE_VENV); \
 		echo "$(ORACLE_VENV)/bin/python -m pip install -q -r tests/oracle/requirements.txt"; \
 		$(ORACLE_VENV)/bin/python -m pip install -q -r tests/oracle/requirements.txt; \
 		$(ORACLE_VENV)/bin/python -m pip install -q --no-deps open-clip-torch==3.3.0; \
@@ -70,10 +91,11 @@ oracle:
 	JAX_PLATFORMS=cpu $(ORACLE_VENV)/bin/python -m tests.oracle
 
 # Re-resolve every dependency from scratch and write the lock (run after changing pyproject).
-lock:
+lock: python
 	rm -rf build/lockenv && $(PYTHON) -m venv build/lockenv
 	build/lockenv/bin/python -m pip install -q --upgrade "pip>=24"
 	build/lockenv/bin/python -m pip install -q ".[worker,test,bench]"
+	build/lockenv/bin/python -m pip install -q --no-deps "$(CUDNN)"
 	build/lockenv/bin/python -m pip freeze --exclude renderfarm > requirements.lock
 
 clean:

@@ -10,7 +10,8 @@
 #     --user "$(id -u renderfarm):$(id -g renderfarm)" -v /var/cache/renderfarm:/var/cache/renderfarm \
 #     renderfarm-worker:tpu worker --model REF --out gs://BUCKET/PREFIX
 # (infra/tpu/ runs the worker without a container; see docs/operations.md.)
-FROM python:3.11-slim
+# Python 3.12: requirements.lock is resolved on it.
+FROM python:3.12-slim
 # The pyproject extra to install: worker (JAX on CPU; GPU needs its own jax wheels) or tpu.
 ARG EXTRA=worker
 # Flower for `renderfarm flower`; requirements.lock wins once it pins flower.

@@ -1,7 +1,12 @@
-"""The tiny SD, SDXL and Flux programs compiled for a TPU v5e-8 (libtpu's v5e:2x4 topology: no
-TPU here) at every split of its 8 chips, attention traced as on the TPU (splash), and their
+"""The tiny SD, SDXL and Flux programs compiled for accelerators that are not here, and their
 compiled HLO read: the denoising loop gathers no weight whole, and all-reduces no more often
 than Megatron's tensor parallelism needs (one per row-split layer, diffusion/sharding.py).
+
+- a TPU v5e-8 (libtpu's v5e:2x4 topology) at every split of its 8 chips, attention traced as
+  on the TPU (splash);
+- eight H100s (jax's CUDA plugin given a described GPU, Python 3.12) split as a (4, 2) mesh,
+  the one split that exercises both axes, attention traced as on CUDA (cuDNN, inside
+  shard_map).
 
 The models are the tiny ones with 8 heads (every split divides them), one UNet level and a
 one-block VAE, so that each program compiles in seconds.
@@ -29,6 +34,7 @@ from diffusion.tiny import build_tiny_model
 
 pytestmark = pytest.mark.target
 SPLITS = (1, 2, 4, 8)
+GPU_SPLIT = 2  # of eight H100s: a (4, 2) mesh
 SIZE, STEPS = 16, 2  # 16x16 latents (the one-block VAE does not downsample): 256 tokens, splash's size
 # Reductions one denoiser call needs when its blocks are split: the UNet's transformer block
 # after its self-attention, cross-attention and MLP; Flux's double block after each stream's
@@ -50,6 +56,13 @@ def _configs(kind: str) -> dict[str, dict[str, Any]]:
 @pytest.fixture(scope="module")
 def v5e_8() -> list[jax.Device]:
     return list(target_devices(target("tpu-v5e-8")))
+
+
+@pytest.fixture(scope="module")
+def h100_8() -> list[jax.Device]:
+    pytest.importorskip("jax_plugins.xla_cuda12", reason="GPU targets compile through jax's CUDA plugin "
+                                                          "(jax 0.12, Python 3.12: the test extra)")
+    return list(target_devices(target("h100-8")))
 
 
 @pytest.fixture(scope="module", params=["sd", "sdxl", "flux"])
@@ -99,9 +112,11 @@ def _loop(hlo: str, denoiser: str) -> str:
 
 def _collectives(loop: str, op: str) -> list[list[tuple[int, ...]]]:
     """Each `op` (all-reduce, all-gather, ...; synchronous or started) in `loop`: the shapes it
-    produces."""
+    produces (an asynchronous start on a GPU gives its operands first, `((operands), results)`:
+    left out)."""
     found = []
     for result in re.findall(rf"= (\S+|\(.*?\)) {op}(?:-start)?\(", loop):
+        result = re.sub(r"^\(\([^()]*\),", "(", result)
         found.append([tuple(int(d) for d in dims.split(",") if d) for dims in re.findall(r"\w+\[([\d,]*)\]", result)])
     return found
 
@@ -111,15 +126,35 @@ def test_the_program_compiles_for_a_v5e_8_and_partitions_as_tensor_parallelism_d
         model: LoadedModel, v5e_8: list[jax.Device], split: int) -> None:
     hlo, kernels = _compile(model, v5e_8, split)
     assert "splash" in kernels and "tpu_custom_call" in hlo  # Mosaic kernels, under shard_map where split
+    _assert_tensor_parallel(model, v5e_8, split, hlo)
+
+
+def test_the_program_compiles_for_eight_h100s_with_cudnn_and_partitions_as_tensor_parallelism_does(
+        model: LoadedModel, h100_8: list[jax.Device]) -> None:
+    hlo, kernels = _compile(model, h100_8, GPU_SPLIT)
+    # cuDNN for every attention of the tiny models (bfloat16, narrow heads), a custom call each
+    # device runs on its part, but for Flux's T5, whose position bias only XLA's attention takes
+    assert set(kernels) == ({"cudnn", "heads"} if model.family.name == "flux" else {"cudnn"})
+    assert "__cudnn$fmha" in hlo
+    assert "tpu_custom_call" not in hlo
+    _assert_tensor_parallel(model, h100_8, GPU_SPLIT, hlo)
+
+
+def _assert_tensor_parallel(model: LoadedModel, devices: list[jax.Device], split: int, hlo: str) -> None:
+    """The compiled program's denoising loop gathers no split weight whole, and all-reduces a
+    block's activations as often as tensor parallelism needs at most (never where unsplit)."""
     denoiser = model.networks[model.family.loras.denoiser]
     loop = _loop(hlo, type(denoiser).__name__)
     gathered = {shape for gather in _collectives(loop, "all-gather") for shape in gather}
-    placement = make_placement(v5e_8, split)
+    placement = make_placement(devices, split)
     specs = jax.tree.leaves(placement.weight_shardings(model.family, model.params))
     split_weights = {tuple(leaf.shape) for leaf, sharding in zip(jax.tree.leaves(model.params), specs, strict=True)
                      if sharding.spec != PartitionSpec()}
     assert bool(split_weights) == (split > 1)
-    assert not gathered & split_weights, "a split weight is gathered whole in the denoising loop"
+    # a split bias has the shape of one image's modulation vector, which is gathered (below) where
+    # a device holds one image (the GPU's compiler drops the batch axis of 1): matrices only
+    matrices = {shape for shape in split_weights if len(shape) > 1}
+    assert not gathered & matrices, "a split weight is gathered whole in the denoising loop"
     config = denoiser.config
     # Reductions of a block's activations (an image's tokens x width or more); the modulation
     # vectors (a few values an image) are gathered whole, whichever collective XLA picks.

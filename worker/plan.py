@@ -3,13 +3,15 @@ for those chips before anyone rents one.
 
 For a model (a published architecture by name, a folder or a hub id: diffusion/architectures.py,
 shapes in place of weights) and a target (diffusion/targets.py: a TPU topology's devices from
-libtpu, or this machine's CPUs), each program the worker would run at the job shape (size,
-steps, scheduler, guidance on or off) is lowered with the worker's own placement
-(diffusion/placement.py: the same mesh, weight shardings and per-device or mesh-wide program)
-and compiled by XLA for the target. Per program it reports whether XLA compiled it (or its
-error), the attention kernel each attention took, XLA's memory per chip (weights, temp), the
-largest per-device batch that fits, FLOPs per image with the images/s per chip at 50% of peak
-that they allow, and the seconds the compile took.
+libtpu, a described GPU host's from jax's CUDA plugin, or this machine's CPUs), each program the
+worker would run at the job shape (size, steps, scheduler, guidance on or off) is lowered with
+the worker's own placement (diffusion/placement.py: the same mesh, weight shardings and
+per-device or mesh-wide program) and compiled by XLA for the target. Per program it reports whether
+XLA compiled it (or its error), the attention kernel each attention took, XLA's memory per chip
+(weights, temp), the largest per-device batch that fits, FLOPs per image with the images/s per
+chip at 50% of peak that they allow, and the seconds the compile took. XLA's GPU compiler counts
+no FLOPs: for a GPU target they are counted on the same batch's program lowered for this
+machine's CPU.
 
 The largest batch is counted from the compiled program as a worker counts it on its own chip
 (`--per-device-batch auto`, `auto_per_device_batch`): the weights once, and everything else
@@ -206,6 +208,8 @@ def make_plan(ref: str, target_name: str, size: tuple[int, int] | None = None, s
 def _program(model: LoadedModel, chosen: Target, devices: list[Any], split: int, per_device_batch: int,
              key: ShapeKey) -> ProgramPlan:
     """Lower and compile one program for the target's devices, and read what XLA says of it."""
+    import jax
+
     from diffusion.flops import denoise_flops, program_flops
     from diffusion.generate import Static
     from diffusion.nn.attention import recording
@@ -220,9 +224,9 @@ def _program(model: LoadedModel, chosen: Target, devices: list[Any], split: int,
     params = placement.abstract(model.family, model.params)
     inputs = model.abstract_inputs(batch, placement.batch)
     started = time.perf_counter()
+    scheduler, static = make(key.scheduler, model.configs["scheduler"]), Static(height, width, steps, guided)
     with recording() as calls:
-        lowered = lower_generate(model.family, model.networks, make(key.scheduler, model.configs["scheduler"]),
-                                 Static(height, width, steps, guided), placement, params, inputs)
+        lowered = lower_generate(model.family, model.networks, scheduler, static, placement, params, inputs)
     plan.lower_seconds = time.perf_counter() - started
     plan.attention = [dataclasses.asdict(call) for call in calls]
     plan.kernels = dict(collections.Counter(call.kernel for call in calls))
@@ -255,7 +259,14 @@ def _program(model: LoadedModel, chosen: Target, devices: list[Any], split: int,
     rows = (2 if guided else 1) * batch
     denoiser = model.family.denoiser_flops(model.networks, model.params, rows, height, width)
     counted = program_flops(compiled)
-    total = denoise_flops(None if counted is None else counted * len(devices), denoiser, steps)
+    if counted is not None:
+        counted *= len(devices)
+    else:  # XLA's GPU compiler counts none: the same batch's program lowered for one CPU device
+        cpu = make_placement(jax.devices("cpu")[:1], 1)
+        counted = program_flops(lower_generate(model.family, model.networks, scheduler, static, cpu,
+                                               cpu.abstract(model.family, model.params),
+                                               model.abstract_inputs(batch, cpu.batch)))
+    total = denoise_flops(counted, denoiser, steps)
     if total is not None:
         plan.flops_per_image = total / batch
         if chosen.peak_flops:

@@ -28,7 +28,7 @@ readonly VENV=$PREFIX/venv
 readonly CACHE=/var/cache/renderfarm
 readonly ENV_FILE=/etc/renderfarm/worker.env
 readonly UNIT=/etc/systemd/system/renderfarm-worker.service
-readonly PYTHON_VERSION=3.11
+readonly PYTHON_VERSION=3.12  # requirements.lock's (renderfarm-constraints)
 
 log() { echo "renderfarm startup: $*" >&2; }
 
@@ -92,8 +92,8 @@ install -d -o renderfarm -g renderfarm -m 700 "$CACHE" "$CACHE/jax" "$CACHE/mode
 chown renderfarm:renderfarm "$CACHE" "$CACHE/jax" "$CACHE/models" "$CACHE/hf"
 chmod 700 "$CACHE" "$CACHE/jax" "$CACHE/models" "$CACHE/hf"
 
-# 3. Python 3.11 and the package, in a venv owned by root. The TPU VM images ship an older
-#    Python; uv installs a standalone 3.11 under $PREFIX (readable by the worker user).
+# 3. Python 3.12 and the package, in a venv owned by root. The TPU VM images ship an older
+#    Python; uv installs a standalone 3.12 under $PREFIX (readable by the worker user).
 if ! command -v uv >/dev/null 2>&1; then
   python3 -m pip install --quiet "uv>=0.5"
 fi
