@@ -76,6 +76,7 @@ class _Model:
     def __init__(self, family: str, default: str) -> None:
         self.ref, self.dtype, self.variant, self.base, self.loras = "m", "float32", None, None, None
         self.family, self.native_size, self.default_scheduler = FAMILIES[family], 64, default
+        self.inpainting_unet = False  # a UNet that takes a mask and a masked image (9 input channels)
 
 
 @pytest.mark.parametrize("family, default, named", [("sd", "pndm", "flow_euler"), ("sdxl", "euler", "flow_euler")])
