@@ -28,7 +28,7 @@ from typing import Any
 
 from PIL import Image, PngImagePlugin
 
-from renderfarm.jobs import JobError, check_campaign
+from renderfarm.jobs import SHA256_RE, JobError, check_campaign
 from renderfarm.images import open_image, read_image
 from renderfarm.layout import image_name, index_name, preview_name, source_thumbnail_name, thumbnail_name
 from renderfarm.manifest import (
@@ -172,19 +172,16 @@ def _figure(record: dict[str, Any], eager: bool, sources: Collection[str]) -> st
     loading = "" if eager else ' loading="lazy"'
     result = (f'<a href="{job_id}.png"><img src="thumbs/{job_id}.jpg" alt="{prompt}" title="{prompt}"'
               f'{loading}></a>')
-    digest, strength = spec.get("init_image_sha256"), spec.get("strength")
+    meta, kind = f'seed {seed} · {size} · <a href="{job_id}.json">sidecar</a>', ""
+    digest = spec.get("init_image_sha256")
     if digest in sources:  # validated hex (source_thumbnail_name)
         source = html.escape(str(spec.get("init_image", "")), quote=True)
-        return (f'<figure id="{job_id}" class="image-job"><div class="pair">'
-                f'<img src="thumbs/source-{digest}.jpg" alt="source: {source}" title="source: {source}"{loading}>'
-                f'{result}</div><figcaption><span class="prompt">{prompt}</span>'
-                f'<span class="meta">source {source} · strength {html.escape(str(strength))} · seed {seed} · '
-                f'{size} · <a href="{job_id}.json">sidecar</a></span>'
-                f'{_scores_line(record.get("scores"))}</figcaption></figure>')
-    return (f'<figure id="{job_id}">{result}'
-            f'<figcaption><span class="prompt">{prompt}</span>'
-            f'<span class="meta">seed {seed} · {size} · <a href="{job_id}.json">sidecar</a></span>'
-            f'{_scores_line(record.get("scores"))}</figcaption></figure>')
+        result = (f'<div class="pair"><img src="thumbs/source-{digest}.jpg" alt="source: {source}" '
+                  f'title="source: {source}"{loading}>{result}</div>')
+        meta = f'source {source} · strength {html.escape(str(spec.get("strength")))} · {meta}'
+        kind = ' class="image-job"'
+    return (f'<figure id="{job_id}"{kind}>{result}<figcaption><span class="prompt">{prompt}</span>'
+            f'<span class="meta">{meta}</span>{_scores_line(record.get("scores"))}</figcaption></figure>')
 
 
 def _scores_line(scores: Any) -> str:
@@ -305,7 +302,7 @@ def _sources(records: list[dict[str, Any]]) -> dict[str, str]:
     for record in records:
         spec = record.get("spec") if isinstance(record.get("spec"), dict) else {}
         digest, ref = spec.get("init_image_sha256"), spec.get("init_image")
-        if isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest) and isinstance(ref, str):
+        if isinstance(digest, str) and SHA256_RE.fullmatch(digest) and isinstance(ref, str):
             found[digest] = ref
     return found
 

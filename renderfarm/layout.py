@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 
-from renderfarm.jobs import check_campaign
+from renderfarm.jobs import SHA256_RE, check_campaign
 
 JOB_ID_RULE = "lowercase hex [0-9a-f]{1,128}"
 _JOB_ID_RE = re.compile(r"[0-9a-f]{1,128}")
@@ -54,7 +54,7 @@ def thumbnail_name(campaign: str, job_id: str) -> str:
 def source_thumbnail_name(campaign: str, sha256: str) -> str:
     """Relative name of an image job's source image thumbnail, one per source whatever the
     jobs it starts: ``CAMPAIGN/thumbs/source-SHA256.jpg``."""
-    if not (isinstance(sha256, str) and re.fullmatch(r"[0-9a-f]{64}", sha256)):
+    if not (isinstance(sha256, str) and SHA256_RE.fullmatch(sha256)):
         raise ValueError(f"init_image_sha256={sha256!r}: must be 64 lowercase hex digits")
     return f"{check_campaign(campaign)}/thumbs/source-{sha256}.jpg"
 
