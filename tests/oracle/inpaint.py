@@ -36,14 +36,15 @@ from diffusers.utils import load_image
 from tests.oracle import pipelines
 from tests.oracle.img2img import LATENT_SAMPLE_FOLD, contract_draws, emptied, write_jobs
 from tests.oracle.pipelines import NATIVE, STEPS
+from tests.oracle.noise import seeded_noise
 from tests.oracle.schedulers import CLASSES
 
 MASKED_SAMPLE_FOLD = LATENT_SAMPLE_FOLD + 1  # diffusion.generate.MASKED_SAMPLE_FOLD
 INPAINTING_SEED = 150  # the 9-channel UNet's weights
 # (model folder relative to data/, scheduler) of each set: a batch on the farm, strengths mixed.
 INPAINTING = "inpaint/sd1-inpainting/model"
-SETS = (("oracle/sd1/model", "ddim"), ("oracle/sd1/model", "euler"), ("oracle/sd2/model", "euler"),
-        (INPAINTING, "ddim"), (INPAINTING, "euler"))
+SETS = (("oracle/sd1/model", "lms"), ("oracle/sd1/model", "euler_a"), ("oracle/sd2/model", "dpm"),
+        (INPAINTING, "pndm"), (INPAINTING, "euler"))
 # With 4 steps, strength s starts at loop index 4 - int(4 s): 1.0 -> 0 (from noise alone), 0.8 and
 # 0.75 -> 1, 0.5 -> 2, 0.3 -> 3. A strength of None is not passed: the pipeline's default, 1.0.
 JOBS: tuple[dict[str, Any], ...] = (
@@ -95,7 +96,7 @@ def render(pipe: StableDiffusionInpaintPipeline, data: pathlib.Path, job: dict[s
     strength = {} if job["strength"] is None else {"strength": job["strength"]}
     encodes_image = pipe.unet.config.in_channels == 4 or job["strength"] not in (None, 1.0)
     folds = (LATENT_SAMPLE_FOLD, MASKED_SAMPLE_FOLD) if encodes_image else (MASKED_SAMPLE_FOLD,)
-    with torch.no_grad(), contract_draws(job["seed"], inpaint_module, folds):
+    with torch.no_grad(), contract_draws(job["seed"], inpaint_module, folds), seeded_noise(pipe.scheduler, job["seed"]):
         out = pipe(job["prompt"], image=load_image(str(data / job["init_image"])),
                    mask_image=load_image(str(data / job["mask_image"])), height=height, width=width,
                    negative_prompt=job["negative_prompt"], num_inference_steps=STEPS,
