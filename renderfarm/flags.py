@@ -59,8 +59,9 @@ def job_flags(parser: argparse.ArgumentParser) -> None:
                         help="with --init-image: how much of the schedule runs, in (0, 1] (default 0.8; 1.0 "
                              "with --mask-image)")
     parser.add_argument("--mask-image", dest="mask_image", metavar="PATH_OR_URL",
-                        help="with --init-image: inpainting (SD 1.x/2.x, ddim or euler): repaint where this mask is "
-                             "white, keep where black; the init image's shape or that scaled (default: none)")
+                        help="with --init-image: inpainting (SD 1.x/2.x and SDXL, ddim or euler): repaint where "
+                             "this mask is white, keep where black; the init image's shape or that scaled (default: "
+                             "none)")
     weights_flags(parser)
 
 
