@@ -140,7 +140,8 @@ def sample(predict: Callable[[jax.Array, jax.Array], jax.Array], scheduler: Sche
     With `start` ((B,) loop indices), `latents` are each job's image latents, noised here to
     its first timestep (the scheduler's `add_noise`, the contract's latents as the noise); the
     loop runs from the batch's earliest start and a job's latents change only from its own.
-    Only schedulers without history can do this (their step i depends on i alone).
+    A multistep scheduler's history is each job's own, from its start (`begin`), as diffusers'
+    img2img pipelines start the scheduler part way.
     Inpainting (`static.mask`) as StableDiffusionInpaintPipeline: a job of strength 1 (start 0)
     starts from the noise alone, and with `blend` (the mask at the latents' size) each step's
     kept area is the image's latents noised to the next step's level (the last: not noised)."""
@@ -169,9 +170,9 @@ def sample(predict: Callable[[jax.Array, jax.Array], jax.Array], scheduler: Sche
             pairs = prediction.reshape(latents.shape[0], 2, *latents.shape[1:])
             uncond, text = pairs[:, 0], pairs[:, 1]
             prediction = uncond + guidance * (text - uncond)
-        if scheduler.stochastic:
-            return scheduler.step(state, prediction, i, latents, step_noise(inputs.keys, i, latents.shape[1:]))
-        stepped, state = scheduler.step(state, prediction, i, latents)
+        noise_arg = (step_noise(inputs.keys, i, latents.shape[1:]),) if scheduler.stochastic else ()
+        begin = {"begin": start} if scheduler.history and start is not None else {}
+        stepped, state = scheduler.step(state, prediction, i, latents, *noise_arg, **begin)
         if blend is not None:
             following = jnp.broadcast_to(jnp.minimum(i + 1, last), start.shape)
             kept = jnp.where(i < last, scheduler.add_noise(state, image, noise, following), image)

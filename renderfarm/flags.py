@@ -53,14 +53,15 @@ def job_flags(parser: argparse.ArgumentParser) -> None:
                         help="render a job again, each time with its next seed, while its image fails --gate, "
                              "at most N times (0..16; default 0)")
     parser.add_argument("--init-image", dest="init_image", metavar="PATH_OR_URL",
-                        help="image to image (SD 1.x/2.x and SDXL, ddim or euler): every job starts from this image, a "
+                        help="image to image (SD 1.x/2.x and SDXL): every job starts from this image, a "
                              "local path or gs:// URL the workers can read (default: none, text to image)")
     parser.add_argument("--strength", type=float, metavar="S",
                         help="with --init-image: how much of the schedule runs, in (0, 1] (default 0.8; 1.0 "
                              "with --mask-image)")
     parser.add_argument("--mask-image", dest="mask_image", metavar="PATH_OR_URL",
-                        help="with --init-image: inpainting (SD 1.x/2.x, ddim or euler): repaint where this mask is "
-                             "white, keep where black; the init image's shape or that scaled (default: none)")
+                        help="with --init-image: inpainting (SD 1.x/2.x and SDXL): repaint where "
+                             "this mask is white, keep where black; the init image's shape or that scaled (default: "
+                             "none)")
     weights_flags(parser)
 
 

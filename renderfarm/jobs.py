@@ -56,10 +56,7 @@ REROLL_STRIDE = 65_537
 # then, and of campaigns resumed now, stay as they were.
 ID_GUIDANCE = 7.5
 MAX_LORAS = 16
-# Image to image: the schedulers whose step i depends on i alone (no history), so jobs of any
-# strength share a program (diffusion/generate.py); the strength of a job that names none
-# (diffusers' StableDiffusionImg2ImgPipeline's default).
-IMAGE_SCHEDULERS = ("ddim", "euler")
+# The strength of an image job that names none (diffusers' StableDiffusionImg2ImgPipeline's default).
 DEFAULT_STRENGTH = 0.8
 DEFAULT_INPAINT_STRENGTH = 1.0  # StableDiffusionInpaintPipeline's: the masked area from noise alone
 SHA256_RE = re.compile(r"[0-9a-f]{64}")
@@ -381,8 +378,6 @@ def _image(data: Mapping[str, Any], steps: int,
         raise JobError("strength", strength, "must be in (0, 1]: above 0")
     if image_start(steps, strength) == steps:
         raise JobError("strength", strength, f"leaves no step of {steps}: int(steps * strength) must be at least 1")
-    if scheduler is not None and scheduler not in IMAGE_SCHEDULERS:
-        raise JobError("scheduler", scheduler, f"an image job runs {' or '.join(IMAGE_SCHEDULERS)}")
     return ref, digest, float(strength), mask, mask_digest
 
 

@@ -50,22 +50,20 @@ def test_image_jobs_match_diffusers_pytorch(batch: str) -> None:
 @pytest.mark.oracle
 def test_render_command_reads_the_image_and_renders_diffusers_images(tmp_path: Path) -> None:
     """`renderfarm render --init-image IMAGE --strength S`: the producer reads the image, the
-    worker resizes it to the job's size, and the pixels are PyTorch's."""
-    jobs = [job for job in BATCHES["img2img/sd1/euler"]
+    worker resizes it to the job's size and renders with the model's own scheduler (pndm, a
+    multistep one), and the pixels are PyTorch's."""
+    jobs = [job for job in BATCHES["img2img/sd1/pndm"]
             if job["init_image"] == "img2img/init-exif.png" and job["negative_prompt"] is None and job["strength"] == 0.8]
-    by_seed = render_command(jobs, tmp_path,
-                             "--model", str(ORACLE / "sd1" / "model"), "--scheduler", "euler",
+    by_seed = render_command(jobs, tmp_path, "--model", str(ORACLE / "sd1" / "model"),
                              "--init-image", str(EXIF), "--strength", "0.8")
     assert worst([by_seed[job["seed"]] for job in jobs], [DATA / job["image"] for job in jobs]) <= TOLERANCE
 
 
 @pytest.mark.oracle
-def test_the_worker_refuses_an_image_job_its_model_or_scheduler_cannot_render() -> None:
+def test_the_worker_refuses_an_image_job_its_model_cannot_render() -> None:
     sd1, engine = loaded("sd1/model", None)
     job = parse_job({"prompt": "a fox", "model": sd1.ref, "seed": 1, "init_image": str(EXIF), "width": 64, "height": 64})
-    with pytest.raises(JobError, match="an image job runs ddim or euler") as err:
-        engine.check(job)  # the model's own scheduler, pndm, keeps a history
-    assert (err.value.field, err.value.value) == ("scheduler", "pndm")
+    assert engine.check(job).scheduler == "pndm"  # the model's own, a multistep one
     flux, flux_engine = loaded(str(DATA / "flux" / "schnell" / "model"), None)
     with pytest.raises(JobError, match="renders text to image only") as err:
         flux_engine.check(dataclasses.replace(job, model=flux.ref, scheduler="flow_euler"))
@@ -94,7 +92,6 @@ def test_a_text_jobs_id_is_unchanged_and_an_image_jobs_follows_its_pixels(tmp_pa
     ({"init_image": "x.png", "strength": 0}, "strength", r"\(0, 1\]"),
     ({"init_image": "x.png", "strength": 1.5}, "strength", r"0\.\.1"),
     ({"init_image": "x.png", "strength": 0.2, "steps": 4}, "strength", r"int\(steps \* strength\)"),
-    ({"init_image": "x.png", "scheduler": "pndm"}, "scheduler", "ddim or euler"),
     ({"init_image": "x.png", "init_image_sha256": "abc"}, "init_image_sha256", "64 lowercase hex"),
 ])
 def test_bad_image_fields_are_refused_naming_field_and_rule(fields: dict, field: str, rule: str) -> None:

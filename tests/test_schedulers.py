@@ -7,6 +7,7 @@ import dataclasses
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import jax
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from diffusion.generate import Static, sample
 from diffusion.schedulers import SCHEDULER_CLASSES, Scheduler, make
 
 DATA = Path(__file__).parent / "data" / "schedulers"
@@ -143,6 +145,34 @@ def test_bfloat16_model_keeps_float32_state(case_id: str) -> None:
     assert all(x.dtype in (jnp.float32, jnp.int32) for x in jax.tree.leaves(state))
     # The UNet's rounding to bfloat16 (8 bits) moves the run by less than a bfloat16 ulp (2^-7).
     assert difference(case, trajectory) < 1e-2
+
+
+IMAGE_CASES = {case["id"]: case for case in REFERENCE["image_cases"]}
+
+
+@pytest.mark.parametrize("mode", ["img2img", "inpaint"])
+@pytest.mark.parametrize("case_id", list(IMAGE_CASES))
+def test_image_jobs_begun_part_way_match_pytorch_diffusers(case_id: str, mode: str) -> None:
+    """Jobs of one batch, each begun at its own loop index (an image job's strength), as the
+    generate loop runs them, against PyTorch's img2img and inpaint loops run job by job with
+    the scheduler's begin index: each job's history (pndm's calls, lms's derivatives, dpm's
+    orders) starts at its own first step."""
+    case = IMAGE_CASES[case_id]
+    scheduler = make(case["scheduler"], REFERENCE["configs"][case["config"]])
+    starts = jnp.asarray(case["starts"], jnp.int32)
+    jobs = len(case["starts"])
+    latents = jnp.asarray(TRAJECTORIES["image/latents"][:jobs, 0])
+    blend = jnp.asarray(TRAJECTORIES["image/mask"][:jobs, 0]) if mode == "inpaint" else None
+    inputs = SimpleNamespace(keys=jax.vmap(jax.random.PRNGKey)(jnp.arange(jobs)), guidance=jnp.ones(jobs))
+    static = Static(height=0, width=0, steps=case["steps"], guided=False, image=True, mask=mode == "inpaint")
+
+    def predict(x: jax.Array, t: jax.Array) -> jax.Array:
+        return fake_model(x, t.reshape(-1, 1, 1, 1))
+
+    ours = jax.jit(lambda latents, blend: sample(predict, scheduler, static, latents, inputs, starts, blend))(
+        latents, blend)
+    expected = TRAJECTORIES[f"image/{case_id}/{mode}"][:, 0]
+    assert np.abs(np.asarray(ours) - expected).max() <= RTOL * np.abs(expected).max()
 
 
 @pytest.mark.parametrize(("name", "option", "value"), [

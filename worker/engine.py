@@ -35,7 +35,6 @@ from diffusion.schedulers import Scheduler, make
 from diffusion.scores import Scorers
 from renderfarm.images import check_init_image
 from renderfarm.jobs import (
-    IMAGE_SCHEDULERS,
     JobError,
     JobSpec,
     check_sampler,
@@ -248,8 +247,6 @@ class Engine:
         if spec.init_image is not None:
             if not family.image_to_image:
                 raise JobError("init_image", spec.init_image, f"a {family.name} model renders text to image only")
-            if scheduler not in IMAGE_SCHEDULERS:
-                raise JobError("scheduler", scheduler, f"an image job runs {' or '.join(IMAGE_SCHEDULERS)}")
             if spec.width is None or spec.height is None:  # the image's own size, as the producer fills it
                 sized = check_init_image(spec, self.model.size_step)
                 width, height = sized.width, sized.height

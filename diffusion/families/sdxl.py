@@ -67,4 +67,5 @@ FAMILY = Family(
     tensor_parallel={"unet": latent_unet.UNET_TENSOR_PARALLEL},
     options=((FORCE_ZEROS, True),),
     image_to_image=True,
+    inpainting=True,
 )

@@ -33,7 +33,7 @@ from diffusion.schedulers.flow_euler import FlowMatchEulerScheduler, FlowState
 from diffusion.schedulers.lcm import LCMScheduler, LCMState
 from diffusion.schedulers.lms import LMSScheduler, LMSState
 from diffusion.schedulers.pndm import PNDMScheduler, PNDMState
-from renderfarm.jobs import IMAGE_SCHEDULERS, KARRAS_SCHEDULERS
+from renderfarm.jobs import KARRAS_SCHEDULERS
 from renderfarm.jobs import SCHEDULERS as CONTRACT_SCHEDULERS
 from renderfarm.jobs import check_sampler
 
@@ -64,8 +64,6 @@ __all__ = [
 SCHEDULER_CLASSES = {cls.name: cls for cls in (PNDMScheduler, DDIMScheduler, LMSScheduler, EulerScheduler, DPMScheduler,
                                          EulerAncestralScheduler, LCMScheduler, FlowMatchEulerScheduler)}
 assert tuple(SCHEDULER_CLASSES) == CONTRACT_SCHEDULERS, "renderfarm.jobs.SCHEDULERS names the schedulers"
-# Image jobs start at any step: their schedulers noise an image to a step's level (add_noise).
-assert all(hasattr(SCHEDULER_CLASSES[name], "add_noise") for name in IMAGE_SCHEDULERS)
 assert KARRAS_SCHEDULERS == tuple(n for n, c in SCHEDULER_CLASSES.items() if issubclass(c, SigmaScheduleConfig))
 # Scheduler classes model folders name (PyTorch's and diffusers' Flax twins) -> the contract's names.
 CLASS_NAMES = {prefix + cls.diffusers_class: cls.name for cls in SCHEDULER_CLASSES.values() for prefix in ("", "Flax")}
@@ -76,15 +74,22 @@ class Scheduler(Protocol):
     with at least `timesteps` ((M,) float32, what the UNet is fed at loop index i; M is the
     number of model evaluations) and `init_noise_sigma` (() float32, what the latents are
     multiplied by after set_timesteps). A scheduler with `stochastic` True takes a fifth
-    argument in `step`: that step's standard-normal noise, shaped like the sample."""
+    argument in `step`: that step's standard-normal noise, shaped like the sample. One with
+    `history` (a multistep one) takes `begin` in `step`: each job's first loop index ((B,)
+    int32; image jobs), before which the job has no history."""
 
     stochastic: bool
+    history: bool
 
     def set_timesteps(self, steps: int, shape: tuple[int, ...]) -> Any:
         """The state for `steps` (static) on samples of `shape` (static); host side."""
 
     def scale_model_input(self, state: Any, sample: jax.Array, i: jax.Array) -> jax.Array:
         """The UNet's input at loop index `i` (traced int32)."""
+
+    def add_noise(self, state: Any, original: jax.Array, noise: jax.Array, start: jax.Array) -> jax.Array:
+        """Image jobs (the UNet families' schedulers): `original` noised to the level of each
+        job's loop index `start` ((B,)), as PyTorch's `add_noise` at the pipeline's first timestep."""
 
     def step(self, state: Any, model_output: jax.Array, i: jax.Array,
              sample: jax.Array) -> tuple[jax.Array, Any]:

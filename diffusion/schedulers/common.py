@@ -34,6 +34,9 @@ class Configured:
     # A stochastic scheduler's `step` takes a fifth argument: the step's noise, drawn from the
     # job's own key by the generate loop (the reproducibility contract's noise rule).
     stochastic: ClassVar[bool] = False
+    # A multistep scheduler's `step` takes `begin`: each job's first loop index, where its history
+    # starts (image jobs start part way, as diffusers' img2img pipelines set the begin index).
+    history: ClassVar[bool] = False
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], **overrides: Any) -> Self:
@@ -253,6 +256,23 @@ def init_noise_sigma(sigmas: np.ndarray, timestep_spacing: str) -> jax.Array:
 def scale_by_sigma(sample: jax.Array, sigma: jax.Array) -> jax.Array:
     """lms's, euler's and euler_a's model input: the sample divided by sqrt(sigma^2 + 1)."""
     return (sample / jnp.sqrt(sigma * sigma + 1)).astype(sample.dtype)
+
+
+def noised(original: jax.Array, noise: jax.Array, start: jax.Array, noise_scale: jax.Array,
+           signal: jax.Array | None = None) -> jax.Array:
+    """PyTorch's `add_noise` at each job's first loop index (`start`: (B,)), an image job's
+    start: signal[start] x + noise_scale[start] noise, in diffusers' op order (sigma schedulers:
+    no signal, x + noise sigma)."""
+    rows = (-1,) + (1,) * (original.ndim - 1)
+    if signal is None:
+        return original + noise * noise_scale[start].reshape(rows)
+    return signal[start].reshape(rows) * original + noise_scale[start].reshape(rows) * noise
+
+
+def steps_taken(i: jax.Array, begin: jax.Array | int, ndim: int) -> jax.Array:
+    """How many steps each job has taken before loop index `i` (i - begin), shaped to broadcast
+    over samples of `ndim` dimensions: a multistep scheduler's history is each job's own."""
+    return jnp.reshape(jnp.asarray(i - begin, jnp.int32), (-1,) + (1,) * (ndim - 1))
 
 
 def threshold(x0: jax.Array, ratio: float, max_value: float) -> jax.Array:

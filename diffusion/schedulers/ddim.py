@@ -20,6 +20,7 @@ from diffusion.schedulers.common import (
     SchedulerConfig,
     check_timesteps,
     const,
+    noised,
     threshold,
 )
 
@@ -73,10 +74,8 @@ class DDIMScheduler(SchedulerConfig):
         )
 
     def add_noise(self, state: DDIMState, original: jax.Array, noise: jax.Array, start: jax.Array) -> jax.Array:
-        """PyTorch's `add_noise` at each job's first timestep (`start`: (B,) loop indices):
-        sqrt(alpha_t) x + sqrt(1 - alpha_t) noise."""
-        shape = (-1,) + (1,) * (original.ndim - 1)
-        return state.sqrt_alpha[start].reshape(shape) * original + state.sqrt_beta[start].reshape(shape) * noise
+        """sqrt(alpha_t) x + sqrt(1 - alpha_t) noise at each job's first timestep."""
+        return noised(original, noise, start, state.sqrt_beta, state.sqrt_alpha)
 
     def scale_model_input(self, state: DDIMState, sample: jax.Array, i: jax.Array) -> jax.Array:
         """DDIM does not scale the model input."""

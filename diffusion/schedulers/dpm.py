@@ -26,7 +26,9 @@ from diffusion.schedulers.common import (
     data_prediction,
     interp_sigmas,
     karras_sigmas,
+    noised,
     sigma_to_t,
+    steps_taken,
     threshold,
     train_sigmas,
 )
@@ -38,10 +40,10 @@ _COEFFS = ("ratio", "b", "c1", "c2", "inv_r0", "inv_r1", "w", "inv_r01")
 class DPMState:
     init_noise_sigma: jax.Array  # () float32
     timesteps: jax.Array  # (M,) float32, integer-valued
-    order: jax.Array  # (M,) int32: the solver order of each step
+    order: jax.Array  # (M,) int32: the solver order of each step (of a job begun at step 0)
     alpha: jax.Array  # (M,) alpha_t of sigmas[i], to turn the model output into x0
     sigma: jax.Array  # (M,) sigma_t of sigmas[i]
-    coeffs: jax.Array  # (M, len(_COEFFS)) the update's scalars, see DPMScheduler.step
+    coeffs: jax.Array  # (M, solver_order, len(_COEFFS)): each step's scalars of an update of each order
     outputs: jax.Array  # (solver_order, *shape) float32: data predictions, newest first
 
 
@@ -69,6 +71,7 @@ class DPMScheduler(SigmaScheduleConfig):
 
     name = "dpm"
     diffusers_class = "DPMSolverMultistepScheduler"
+    history = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -118,12 +121,14 @@ class DPMScheduler(SigmaScheduleConfig):
         alpha = F32(1) / np.sqrt(sigmas * sigmas + F32(1))
         sigma = sigmas * alpha
         order = self._orders(len(timesteps))
-        coeffs = np.zeros((len(timesteps), len(_COEFFS)), F32)
+        # Every order a step can take: up to `order`, lower for a job begun part way (image jobs).
+        coeffs = np.zeros((len(timesteps), self.solver_order, len(_COEFFS)), F32)
         with np.errstate(divide="ignore"):  # a final sigma of 0 has lambda = inf
             lam = np.log(alpha) - np.log(sigma)
-            for i, k in enumerate(order):
-                # lambda at sigmas[i + 1], sigmas[i] and the (up to) two before
-                coeffs[i] = self._coefficients(alpha[i + 1], sigma[i + 1] / sigma[i], lam[i + 1::-1][:4], k)
+            for i, top in enumerate(order):
+                for k in range(1, top + 1):
+                    # lambda at sigmas[i + 1], sigmas[i] and the (up to) two before
+                    coeffs[i, k - 1] = self._coefficients(alpha[i + 1], sigma[i + 1] / sigma[i], lam[i + 1::-1][:4], k)
         return DPMState(
             init_noise_sigma=const(1.0),
             timesteps=const(timesteps),
@@ -167,30 +172,40 @@ class DPMScheduler(SigmaScheduleConfig):
             c2 = alpha_t * ((np.exp(-h) - F32(1) + h) / (h * h) - F32(0.5))
         return [ratio, b, c1, c2, inv_r0, inv_r1, w, inv_r01]
 
+    def add_noise(self, state: DPMState, original: jax.Array, noise: jax.Array, start: jax.Array) -> jax.Array:
+        """alpha_t x + sigma_t noise at each job's begin index."""
+        return noised(original, noise, start, state.sigma, state.alpha)
+
     def scale_model_input(self, state: DPMState, sample: jax.Array, i: jax.Array) -> jax.Array:
         """DPM-Solver does not scale the model input."""
         return sample
 
-    def step(self, state: DPMState, model_output: jax.Array, i: jax.Array,
-             sample: jax.Array) -> tuple[jax.Array, DPMState]:
+    def step(self, state: DPMState, model_output: jax.Array, i: jax.Array, sample: jax.Array,
+             begin: jax.Array | int = 0) -> tuple[jax.Array, DPMState]:
         """Convert the output to a data prediction x0, then a multistep update of order
-        state.order[i] from the newest predictions m0, m1, m2."""
+        state.order[i] from the newest predictions m0, m1, m2; lower for a job begun at step
+        `begin` that holds fewer (PyTorch's lower_order_nums counts a job's own steps)."""
         x = sample.astype(jnp.float32)
         x0 = data_prediction(self.prediction_type, x, model_output.astype(jnp.float32), state.alpha[i], state.sigma[i])
         if self.thresholding:
             x0 = threshold(x0, self.dynamic_thresholding_ratio, self.sample_max_value)
         outputs = jnp.concatenate([x0[None], state.outputs[:-1]])
-        ratio, b, c1, c2, inv_r0, inv_r1, w, inv_r01 = (state.coeffs[i, k] for k in range(len(_COEFFS)))
+        coeffs = [dict(zip(_COEFFS, (state.coeffs[i, k, n] for n in range(len(_COEFFS)))))
+                  for k in range(self.solver_order)]
 
         # The update of every order up to solver_order, then the step's: cheaper than a branch.
-        updates = [ratio * x - b * outputs[0]]
+        first = coeffs[0]["ratio"] * x - coeffs[0]["b"] * outputs[0]
+        updates = [first]
         if self.solver_order >= 2:
-            d1 = inv_r0 * (outputs[0] - outputs[1])
-            updates.append(updates[0] + c1 * d1)
+            c = coeffs[1]
+            updates.append(first + c["c1"] * (c["inv_r0"] * (outputs[0] - outputs[1])))
         if self.solver_order == 3:
-            d1_1 = inv_r1 * (outputs[1] - outputs[2])
-            updates.append(updates[0] + c1 * (d1 + w * (d1 - d1_1)) - c2 * (inv_r01 * (d1 - d1_1)))
+            c = coeffs[2]
+            d1 = c["inv_r0"] * (outputs[0] - outputs[1])
+            d1_1 = c["inv_r1"] * (outputs[1] - outputs[2])
+            updates.append(first + c["c1"] * (d1 + c["w"] * (d1 - d1_1)) - c["c2"] * (c["inv_r01"] * (d1 - d1_1)))
+        order = jnp.minimum(state.order[i], steps_taken(i, begin, x.ndim) + 1)
         prev = updates[-1]
-        for order in range(len(updates) - 1, 0, -1):
-            prev = jnp.where(state.order[i] == order, updates[order - 1], prev)
+        for k in range(len(updates) - 1, 0, -1):
+            prev = jnp.where(order == k, updates[k - 1], prev)
         return prev.astype(sample.dtype), state.replace(outputs=outputs)

@@ -23,6 +23,7 @@ from diffusion.schedulers.common import (
     denoised,
     init_noise_sigma,
     interp_sigmas,
+    noised,
     scale_by_sigma,
     sigma_to_t,
     torch_linspace,
@@ -84,9 +85,8 @@ class EulerScheduler(SigmaScheduleConfig):
         )
 
     def add_noise(self, state: EulerState, original: jax.Array, noise: jax.Array, start: jax.Array) -> jax.Array:
-        """PyTorch's `add_noise` from each job's begin index (`start`: (B,) loop indices):
-        x + sigma noise."""
-        return original + noise * state.sigmas[start].reshape((-1,) + (1,) * (original.ndim - 1))
+        """x + sigma noise at each job's begin index."""
+        return noised(original, noise, start, state.sigmas)
 
     def scale_model_input(self, state: EulerState, sample: jax.Array, i: jax.Array) -> jax.Array:
         """Divide by sqrt(sigma^2 + 1)."""

@@ -23,6 +23,7 @@ from diffusion.schedulers.common import (
     denoised,
     init_noise_sigma,
     interp_sigmas,
+    noised,
     scale_by_sigma,
     train_sigmas,
 )
@@ -67,6 +68,11 @@ class EulerAncestralScheduler(SchedulerConfig):
             dt=const(sigma_down - sigma_from),
             sigma_up=const(sigma_up),
         )
+
+    def add_noise(self, state: EulerAncestralState, original: jax.Array, noise: jax.Array,
+                  start: jax.Array) -> jax.Array:
+        """x + sigma noise at each job's begin index."""
+        return noised(original, noise, start, state.sigmas)
 
     def scale_model_input(self, state: EulerAncestralState, sample: jax.Array, i: jax.Array) -> jax.Array:
         """Divide by sqrt(sigma^2 + 1)."""

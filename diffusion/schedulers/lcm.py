@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diffusion.schedulers.common import F32, SchedulerConfig, const, data_prediction, threshold
+from diffusion.schedulers.common import F32, SchedulerConfig, const, data_prediction, noised, threshold
 
 SIGMA_DATA = 0.5  # PyTorch's constant in the boundary-condition scalings
 
@@ -84,6 +84,10 @@ class LCMScheduler(SchedulerConfig):
             sqrt_alpha_prev=const(np.sqrt(alpha_prev)),
             sqrt_beta_prev=const(np.sqrt(F32(1) - alpha_prev)),
         )
+
+    def add_noise(self, state: LCMState, original: jax.Array, noise: jax.Array, start: jax.Array) -> jax.Array:
+        """sqrt(alpha_t) x + sqrt(1 - alpha_t) noise at each job's first timestep."""
+        return noised(original, noise, start, state.sqrt_beta, state.sqrt_alpha)
 
     def scale_model_input(self, state: LCMState, sample: jax.Array, i: jax.Array) -> jax.Array:
         """LCM does not scale the model input."""

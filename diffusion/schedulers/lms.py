@@ -25,8 +25,10 @@ from diffusion.schedulers.common import (
     denoised,
     init_noise_sigma,
     interp_sigmas,
+    noised,
     scale_by_sigma,
     sigma_to_t,
+    steps_taken,
     train_sigmas,
 )
 
@@ -49,6 +51,7 @@ class LMSScheduler(SigmaScheduleConfig):
 
     name = "lms"
     diffusers_class = "LMSDiscreteScheduler"
+    history = True
 
     def set_timesteps(self, steps: int, shape: tuple[int, ...]) -> LMSState:
         """Timesteps, sigmas and LMS coefficients for `steps` on samples of `shape`."""
@@ -69,19 +72,28 @@ class LMSScheduler(SigmaScheduleConfig):
             derivatives=jnp.zeros((ORDER, *shape), jnp.float32),
         )
 
+    def add_noise(self, state: LMSState, original: jax.Array, noise: jax.Array, start: jax.Array) -> jax.Array:
+        """x + sigma noise at each job's begin index."""
+        return noised(original, noise, start, state.sigmas)
+
     def scale_model_input(self, state: LMSState, sample: jax.Array, i: jax.Array) -> jax.Array:
         """Divide by sqrt(sigma^2 + 1)."""
         return scale_by_sigma(sample, state.sigmas[i])
 
-    def step(self, state: LMSState, model_output: jax.Array, i: jax.Array,
-             sample: jax.Array) -> tuple[jax.Array, LMSState]:
-        """One linear multistep update over the newest derivatives."""
+    def step(self, state: LMSState, model_output: jax.Array, i: jax.Array, sample: jax.Array,
+             begin: jax.Array | int = 0) -> tuple[jax.Array, LMSState]:
+        """One linear multistep update over the newest derivatives, those of the job's own
+        steps: PyTorch takes step i's coefficients of order min(i + 1, 4) and zips them with
+        the derivatives it holds, fewer for a job begun at step `begin`."""
         x = sample.astype(jnp.float32)
         sigma = state.sigmas[i]
         derivative = (x - denoised(self.prediction_type, x, model_output.astype(jnp.float32), sigma)) / sigma
         derivatives = jnp.concatenate([derivative[None], state.derivatives[:-1]])
-        prev = x + jnp.tensordot(state.coeffs[i], derivatives, axes=1)
-        return prev.astype(sample.dtype), state.replace(derivatives=derivatives)
+        held = steps_taken(i, begin, x.ndim)
+        total = state.coeffs[i, 0] * derivatives[0]
+        for k in range(1, ORDER):
+            total = total + jnp.where(held >= k, state.coeffs[i, k] * derivatives[k], 0)
+        return (x + total).astype(sample.dtype), state.replace(derivatives=derivatives)
 
 
 def _lms_coefficients(sigmas: np.ndarray) -> np.ndarray:

@@ -43,11 +43,14 @@ from diffusers.utils import load_image
 
 from tests.oracle import pipelines
 from tests.oracle.pipelines import NATIVE, STEPS
+from tests.oracle.noise import seeded_noise
 from tests.oracle.schedulers import CLASSES
 
 LATENT_SAMPLE_FOLD = 2**20  # diffusion.generate.LATENT_SAMPLE_FOLD (the oracle imports nothing of the farm)
-SCHEDULERS = ("ddim", "euler")  # the schedulers image jobs run (renderfarm.jobs.IMAGE_SCHEDULERS)
-FAMILIES = ("sd1", "sd2", "sdxl")
+# Two schedulers a family, six in all: multistep (pndm, sd1's own, and dpm), stochastic (euler_a,
+# lcm) and single-step (ddim, euler). Each scheduler's arithmetic from every start is checked
+# against PyTorch's by tests/test_schedulers.py on a fake UNet; these sets check the pipelines.
+SCHEDULERS = {"sd1": ("pndm", "euler_a"), "sd2": ("ddim", "lcm"), "sdxl": ("euler", "dpm")}
 # One batch per (family, scheduler): strengths and images mixed. With 4 steps, strength s starts at
 # loop index 4 - int(4 s): 0.3 -> 3, 0.5 -> 2, 0.8 -> 1, 1.0 -> 0.
 JOBS: tuple[dict[str, Any], ...] = (
@@ -111,7 +114,7 @@ def render(pipe: StableDiffusionImg2ImgPipeline | StableDiffusionXLImg2ImgPipeli
     width, height = size
     image = pipe.image_processor.resize(load_image(str(data / job["init_image"])), height, width)
     module = xl_img2img_module if isinstance(pipe, StableDiffusionXLImg2ImgPipeline) else img2img_module
-    with torch.no_grad(), contract_draws(job["seed"], module):
+    with torch.no_grad(), contract_draws(job["seed"], module), seeded_noise(pipe.scheduler, job["seed"]):
         out = pipe(job["prompt"], image=image, strength=job["strength"], negative_prompt=job["negative_prompt"],
                    num_inference_steps=STEPS, guidance_scale=job["guidance_scale"], output_type="np").images[0]
     return (out * 255).round().astype(np.uint8)
@@ -137,12 +140,12 @@ def write(data: pathlib.Path) -> None:
     root = emptied(data, "img2img")
     _init_images(root)
     records: list[dict[str, Any]] = []
-    for family in FAMILIES:
+    for family, schedulers in SCHEDULERS.items():
         text = pipelines.load(data / "oracle" / family / "model", family)
         pipe = (StableDiffusionXLImg2ImgPipeline(**text.components, add_watermarker=False) if family == "sdxl"
                 else StableDiffusionImg2ImgPipeline(**text.components))
         pipe.set_progress_bar_config(disable=True)
-        for scheduler in SCHEDULERS:
+        for scheduler in schedulers:
             # as tests/oracle/pipelines.render makes it: afresh, from the model's own config
             pipe.scheduler = CLASSES[scheduler].from_config(text.oracle_scheduler_config)
             for index, job in enumerate(JOBS):

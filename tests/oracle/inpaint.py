@@ -1,4 +1,5 @@
-"""Reference images for inpainting jobs: diffusers' `StableDiffusionInpaintPipeline`.
+"""Reference images for inpainting jobs: diffusers' `StableDiffusionInpaintPipeline`
+(`StableDiffusionXLInpaintPipeline` for sdxl, no aesthetic score: its size conditions the job's size).
 
 `write(data)` rebuilds `data/inpaint/` from the tiny SD checkpoints tests/oracle/pipelines.py wrote
 (`data/oracle/<family>/model`) and img2img's init images (`data/img2img/`, tests/oracle/img2img.py):
@@ -17,35 +18,43 @@ itself (its image and mask processors). Its draws are the contract's (docs/desig
 its module draws is the job's initial latents, and each VAE latent sample (the init image's, then
 the masked image's, in the order the pipeline encodes them) is drawn from its fold of the job's key.
 A 4-channel UNet's pipeline encodes both; a 9-channel one's skips the init image at strength 1.
+A job without a strength is the contract's default, 1.0: the SD pipeline's own default too, so it is
+not passed there, while the XL pipeline, whose default is 0.9999, is given it.
 """
 
 from __future__ import annotations
 
+import json
 import pathlib
 from typing import Any
 
 import numpy as np
 import PIL.Image
 import torch
-from diffusers import StableDiffusionInpaintPipeline
+from diffusers import StableDiffusionInpaintPipeline, StableDiffusionXLInpaintPipeline
 from diffusers.pipelines.stable_diffusion import (
     pipeline_stable_diffusion_inpaint as inpaint_module,
+)
+from diffusers.pipelines.stable_diffusion_xl import (
+    pipeline_stable_diffusion_xl_inpaint as xl_inpaint_module,
 )
 from diffusers.utils import load_image
 
 from tests.oracle import pipelines
 from tests.oracle.img2img import LATENT_SAMPLE_FOLD, contract_draws, emptied, write_jobs
 from tests.oracle.pipelines import NATIVE, STEPS
+from tests.oracle.noise import seeded_noise
 from tests.oracle.schedulers import CLASSES
 
 MASKED_SAMPLE_FOLD = LATENT_SAMPLE_FOLD + 1  # diffusion.generate.MASKED_SAMPLE_FOLD
+DEFAULT_STRENGTH = 1.0  # an inpainting job's without one (renderfarm.jobs)
 INPAINTING_SEED = 150  # the 9-channel UNet's weights
 # (model folder relative to data/, scheduler) of each set: a batch on the farm, strengths mixed.
 INPAINTING = "inpaint/sd1-inpainting/model"
-SETS = (("oracle/sd1/model", "ddim"), ("oracle/sd1/model", "euler"), ("oracle/sd2/model", "euler"),
-        (INPAINTING, "ddim"), (INPAINTING, "euler"))
+SETS = (("oracle/sd1/model", "lms"), ("oracle/sd1/model", "euler_a"), ("oracle/sd2/model", "dpm"),
+        (INPAINTING, "pndm"), (INPAINTING, "euler"), ("oracle/sdxl/model", "ddim"))
 # With 4 steps, strength s starts at loop index 4 - int(4 s): 1.0 -> 0 (from noise alone), 0.8 and
-# 0.75 -> 1, 0.5 -> 2, 0.3 -> 3. A strength of None is not passed: the pipeline's default, 1.0.
+# 0.75 -> 1, 0.5 -> 2, 0.3 -> 3. A strength of None is the contract's default, 1.0.
 JOBS: tuple[dict[str, Any], ...] = (
     {"prompt": "a watercolour of a harbour", "negative_prompt": None, "seed": 0, "guidance_scale": 7.5,
      "strength": None, "init_image": "img2img/init.png", "mask_image": "inpaint/mask.png"},
@@ -82,20 +91,29 @@ def _inpainting_model(data: pathlib.Path, folder: pathlib.Path) -> None:
     pipelines._check_same_weights(_load(folder), pipelines._state(pipe), INPAINTING)
 
 
-def _load(folder: pathlib.Path) -> StableDiffusionInpaintPipeline:
-    pipe = StableDiffusionInpaintPipeline.from_pretrained(folder, torch_dtype=torch.float32)
+def _load(folder: pathlib.Path) -> StableDiffusionInpaintPipeline | StableDiffusionXLInpaintPipeline:
+    """A checkpoint's inpaint pipeline: the XL one for an SDXL folder (requires_aesthetics_score off, as
+    for a base model, and no watermark)."""
+    if json.loads((folder / "model_index.json").read_text())["_class_name"] == "StableDiffusionXLPipeline":
+        pipe = StableDiffusionXLInpaintPipeline.from_pretrained(folder, torch_dtype=torch.float32,
+                                                                add_watermarker=False)
+    else:
+        pipe = StableDiffusionInpaintPipeline.from_pretrained(folder, torch_dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
 
-def render(pipe: StableDiffusionInpaintPipeline, data: pathlib.Path, job: dict[str, Any],
-           size: tuple[int, int]) -> np.ndarray:
+def render(pipe: StableDiffusionInpaintPipeline | StableDiffusionXLInpaintPipeline, data: pathlib.Path,
+           job: dict[str, Any], size: tuple[int, int]) -> np.ndarray:
     """One inpainting job: (height, width, 3) uint8."""
     width, height = size
-    strength = {} if job["strength"] is None else {"strength": job["strength"]}
-    encodes_image = pipe.unet.config.in_channels == 4 or job["strength"] not in (None, 1.0)
+    xl = isinstance(pipe, StableDiffusionXLInpaintPipeline)
+    given = DEFAULT_STRENGTH if job["strength"] is None and xl else job["strength"]
+    strength = {} if given is None else {"strength": given}
+    encodes_image = pipe.unet.config.in_channels == 4 or given not in (None, 1.0)
     folds = (LATENT_SAMPLE_FOLD, MASKED_SAMPLE_FOLD) if encodes_image else (MASKED_SAMPLE_FOLD,)
-    with torch.no_grad(), contract_draws(job["seed"], inpaint_module, folds):
+    module = xl_inpaint_module if xl else inpaint_module
+    with torch.no_grad(), contract_draws(job["seed"], module, folds), seeded_noise(pipe.scheduler, job["seed"]):
         out = pipe(job["prompt"], image=load_image(str(data / job["init_image"])),
                    mask_image=load_image(str(data / job["mask_image"])), height=height, width=width,
                    negative_prompt=job["negative_prompt"], num_inference_steps=STEPS,
@@ -121,6 +139,8 @@ def write(data: pathlib.Path) -> None:
                 init_image=job["init_image"], mask_image=job["mask_image"], strength=job["strength"],
                 in_channels=pipe.unet.config.in_channels))
     write_jobs(root, "StableDiffusionInpaintPipeline on the tiny checkpoints (4-channel sd1 and sd2 UNets, and "
-                     "inpaint/sd1-inpainting's 9-channel one), float32, CPU, batch size 1, with the contract's noises "
-                     "(tests/oracle/inpaint.py); strength null: the pipeline's default; paths relative to tests/data.",
+                     "inpaint/sd1-inpainting's 9-channel one), StableDiffusionXLInpaintPipeline on sdxl's (4-channel), "
+                     "float32, CPU, batch size 1, with the contract's noises (tests/oracle/inpaint.py); strength null: "
+                     "the contract's default, 1.0 (given to the XL pipeline, whose own is 0.9999); paths relative to "
+                     "tests/data.",
                records)

@@ -14,6 +14,9 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import torch
 from diffusers.schedulers import scheduling_euler_ancestral_discrete, scheduling_lcm
 
@@ -35,3 +38,14 @@ def contract_noise(scheduler: Any, noise: Callable[[int, tuple[int, ...]], torch
     finally:
         for module, original in zip(MODULES, originals):
             module.randn_tensor = original
+
+
+def seeded_noise(scheduler: Any, seed: int) -> contextlib.AbstractContextManager[None]:
+    """`contract_noise` by the contract's rule for the job of `seed`: the step being taken, i,
+    draws normal(fold_in(PRNGKey(seed), i)) (diffusion/generate.py's `step_noise`)."""
+    key = jax.random.PRNGKey(seed)
+
+    def draw(step: int, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.from_numpy(np.array(jax.random.normal(jax.random.fold_in(key, step), shape, jnp.float32)))
+
+    return contract_noise(scheduler, draw)

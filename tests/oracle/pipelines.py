@@ -56,7 +56,7 @@ from transformers import (
 )
 
 from harness.tokenizer import bytes_to_unicode
-from tests.oracle.noise import contract_noise
+from tests.oracle.noise import seeded_noise
 from tests.oracle.schedulers import CLASSES
 
 # The deterministic schedulers, each rendered for every family here (the stochastic ones, with the
@@ -411,12 +411,7 @@ def render(pipe, scheduler: str, job: dict[str, Any], width: int, height: int, s
     pipe.scheduler = CLASSES[scheduler].from_config(pipe.oracle_scheduler_config, **overrides)
     factor = pipe.vae_scale_factor
     latents = contract_latents(job["seed"], pipe.unet.config.in_channels, width, height, factor)
-    key = jax.random.PRNGKey(job["seed"])
-
-    def step_noise(step: int, shape: tuple[int, ...]) -> torch.Tensor:
-        return torch.from_numpy(np.array(jax.random.normal(jax.random.fold_in(key, step), shape, jnp.float32)))
-
-    with torch.no_grad(), contract_noise(pipe.scheduler, step_noise):
+    with torch.no_grad(), seeded_noise(pipe.scheduler, job["seed"]):
         image = pipe(
             job["prompt"],
             negative_prompt=job["negative_prompt"],

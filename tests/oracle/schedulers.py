@@ -8,14 +8,22 @@ pipelines run, with a fake UNet.
                        plus a case's overrides), every class's `__init__` options and defaults, and
                        per case: scheduler, config, steps, then the timesteps the UNet is fed and
                        init_noise_sigma, or the error PyTorch raises
-    trajectories.npz   `noise` (2, 4, 4, 4); per case, the sample after each model evaluation; and
-                       `alphas_cumprod/<name>` of the training schedules in SCHEDULES
+    trajectories.npz   `noise` (2, 4, 4, 4); per case, the sample after each model evaluation;
+                       `alphas_cumprod/<name>` of the training schedules in SCHEDULES; and the
+                       image starts' `image/latents`, `image/mask` and per image case and mode
+                       (`image/<id>/img2img`, `image/<id>/inpaint`) each job's last sample
+
+Image starts (`image_cases` in cases.json) are the img2img and inpaint pipelines' loops: each job
+(seed j) begins at its own loop index (diffusers' `get_timesteps`, `set_begin_index`) from image
+latents noised by `add_noise` with the contract's latents normal(PRNGKey(j)) as the noise; inpaint
+blends each step's kept area back (4-channel UNets' masked blending) and a job begun at 0 starts
+from the noise alone. The farm runs every job of a case as one batch.
 
 The loop is the pipelines': set_timesteps, latents = noise * init_noise_sigma, then per timestep t
 scale_model_input, the model, and step (with the pipeline's extra kwargs: eta = 0 for DDIM). The model
 is `fake_model` below, fed the scheduler's own t (an int64 or float32 tensor). The stochastic
-schedulers (euler_a, lcm) draw each step's noise by the contract's rule (`step_noise`), patched into
-diffusers' draw by tests/oracle/noise.py.
+schedulers (euler_a, lcm) draw each step's noise by the contract's rule, patched into diffusers'
+draw by tests/oracle/noise.py.
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ from diffusers import (
 )
 from diffusers.utils import logging as diffusers_logging
 
-from tests.oracle.noise import contract_noise
+from tests.oracle.noise import seeded_noise
 
 CLASSES = {"pndm": PNDMScheduler, "ddim": DDIMScheduler, "lms": LMSDiscreteScheduler,
            "euler": EulerDiscreteScheduler, "dpm": DPMSolverMultistepScheduler,
@@ -155,6 +163,22 @@ CASES: list[tuple[str, str, dict[str, Any], tuple[int, ...]]] = [
 ]
 
 
+# (scheduler, source, overrides, steps, each job's first loop index): every scheduler the UNet
+# families run, with history (pndm with and without PRK, lms, dpm of order 2 and 3) and without.
+IMAGE_CASES: list[tuple[str, str, dict[str, Any], int, tuple[int, ...]]] = [
+    ("pndm", "sd15", {}, 7, (0, 1, 2, 3, 6)),
+    ("pndm", "sd15", {"skip_prk_steps": False}, 7, (0, 1, 2, 5, 6)),
+    ("ddim", "sd21", {}, 7, (0, 1, 4, 6)),
+    ("lms", "sd15", {}, 7, (0, 1, 2, 4, 6)),
+    ("euler", "sdxl", {"use_karras_sigmas": True}, 7, (0, 2, 6)),
+    ("dpm", "sdxl", {}, 7, (0, 1, 2, 5, 6)),
+    ("dpm", "sd15", {"solver_order": 3}, 25, (0, 1, 2, 3, 20, 24)),
+    ("euler_a", "sd15", {}, 7, (0, 1, 4, 6)),
+    ("lcm", "sd15", {}, 4, (0, 1, 2, 3)),
+]
+IMAGE_JOBS = 6  # the most starts a case has: image latents and masks for that many jobs
+
+
 def fake_model(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """A deterministic stand-in for the UNet that depends on the timestep it is fed."""
     return 0.1 * torch.sin(x) + 0.001 * t * x
@@ -178,7 +202,7 @@ def run(cls: type, config: dict[str, Any], steps: int, noise: np.ndarray) -> tup
     parameters = set(inspect.signature(scheduler.step).parameters)
     extra = {k: v for k, v in (("eta", 0.0), ("generator", None)) if k in parameters}
     trajectory = []
-    with contract_noise(scheduler, lambda step, shape: step_noise(step, shape)):
+    with seeded_noise(scheduler, 0):  # the whole sample as one job (tests/test_schedulers.py draws the same)
         for t in scheduler.timesteps:
             model_input = scheduler.scale_model_input(latents, t)
             latents = scheduler.step(fake_model(model_input, t), t, latents, **extra, return_dict=False)[0]
@@ -188,10 +212,32 @@ def run(cls: type, config: dict[str, Any], steps: int, noise: np.ndarray) -> tup
     return result, np.stack(trajectory)
 
 
-def step_noise(step: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """The stochastic schedulers' noise here: normal(fold_in(PRNGKey(0), step), shape), the
-    contract's rule with the whole sample as one job (tests/test_schedulers.py draws the same)."""
-    return torch.from_numpy(np.array(jax.random.normal(jax.random.fold_in(jax.random.PRNGKey(0), step), shape)))
+def run_image(cls: type, config: dict[str, Any], steps: int, start: int, seed: int, image: torch.Tensor,
+              mask: torch.Tensor | None) -> np.ndarray:
+    """One job of the img2img (`mask` None) or inpaint pipeline's loop from loop index `start`;
+    its last sample."""
+    scheduler = cls.from_config(config)
+    scheduler.set_timesteps(steps)
+    timesteps = scheduler.timesteps[start * scheduler.order:]
+    if hasattr(scheduler, "set_begin_index"):
+        scheduler.set_begin_index(start * scheduler.order)
+    noise = torch.from_numpy(np.array(jax.random.normal(jax.random.PRNGKey(seed), tuple(image.shape))))
+    if mask is not None and start == 0:  # the inpaint pipeline at strength 1: the noise alone
+        latents = noise * scheduler.init_noise_sigma
+    else:
+        latents = scheduler.add_noise(image, noise, timesteps[:1])
+    parameters = set(inspect.signature(scheduler.step).parameters)
+    extra = {k: v for k, v in (("eta", 0.0), ("generator", None)) if k in parameters}
+    with seeded_noise(scheduler, seed):
+        for k, t in enumerate(timesteps):
+            model_input = scheduler.scale_model_input(latents, t)
+            latents = scheduler.step(fake_model(model_input, t), t, latents, **extra, return_dict=False)[0]
+            if mask is not None:  # StableDiffusionInpaintPipeline's blend for a 4-channel UNet
+                kept = image
+                if k < len(timesteps) - 1:
+                    kept = scheduler.add_noise(image, noise, torch.tensor([timesteps[k + 1]]))
+                latents = (1 - mask) * kept + mask * latents
+    return latents.numpy()
 
 
 def _defaults(cls: type) -> dict[str, Any]:
@@ -228,10 +274,26 @@ def write(data: Path) -> None:
             except (ValueError, IndexError) as e:
                 result = {"error": f"{type(e).__name__}: {e}"}
             cases.append({**case, **result})
+    rng = np.random.default_rng(1)
+    latents = rng.standard_normal((IMAGE_JOBS, 1, *SHAPE[1:]), dtype=np.float32)
+    masks = (rng.random((IMAGE_JOBS, 1, 1, *SHAPE[2:])) > 0.5).astype(np.float32)
+    arrays["image/latents"], arrays["image/mask"] = latents, masks
+    image_cases = []
+    for name, source, overrides, steps, starts in IMAGE_CASES:
+        label = "-".join([source, *(f"{k}={v}" for k, v in overrides.items())])
+        configs.setdefault(label, pipeline_config(source, overrides))
+        case_id = f"{name}/{label}/{steps}"
+        image_cases.append({"id": case_id, "scheduler": name, "config": label, "steps": steps, "starts": list(starts)})
+        for mode in ("img2img", "inpaint"):
+            arrays[f"image/{case_id}/{mode}"] = np.stack([
+                run_image(CLASSES[name], configs[label], steps, start, seed, torch.from_numpy(latents[seed]),
+                          torch.from_numpy(masks[seed]) if mode == "inpaint" else None)
+                for seed, start in enumerate(starts)])
     for name, config in SCHEDULES.items():
         arrays[f"alphas_cumprod/{name}"] = DDIMScheduler(**config).alphas_cumprod.numpy()
     classes = {name: _defaults(cls) for name, cls in CLASSES.items()}
     doc = {"torch": torch.__version__, "diffusers": diffusers.__version__, "shape": list(SHAPE),
-           "classes": classes, "schedules": SCHEDULES, "configs": configs, "cases": cases}
+           "classes": classes, "schedules": SCHEDULES, "configs": configs, "cases": cases,
+           "image_cases": image_cases}
     (root / "cases.json").write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     _save_npz(root / "trajectories.npz", arrays)
