@@ -103,11 +103,13 @@ def test_the_text_report_says_what_the_plan_says(tpu_plan: Plan) -> None:
 
 
 def test_a_program_that_does_not_fit_says_by_how_much_per_chip(cli: Cli, tiny_sd: Path) -> None:
+    """An inpainting job's program (the VAE encodes the image and the loop blends the mask in):
+    planned as the worker compiles it."""
     code, data = plan_json(cli, tiny_sd, "--target", "cpu", "--size", "64", "--steps", "2", "--guidance", "1",
-                           "--memory-per-chip", "0.001")
+                           "--memory-per-chip", "0.001", "--job", "inpaint")
     assert code == 1 and data["ok"] is False  # a program that does not fit fails the command, for scripts
     (program,) = data["programs"]
-    assert program["compiled"] and program["shape"] == "64x64@2 pndm cfg-free"
+    assert program["compiled"] and program["shape"] == "64x64@2 pndm cfg-free inpaint"
     assert set(program["kernels"]) == {"batch"}  # the CPU's kernel
     assert data["devices"] == len(jax.devices("cpu")) and data["usable_per_chip"] == 1_000_000
     assert program["fits"] is False and program["largest_per_device_batch"] == 0
@@ -124,6 +126,8 @@ def test_the_command_refuses_bad_input_by_name(cli: Cli) -> None:
     assert (code, out) == (2, "") and "target='tpu-v5e': must be one of" in err
     code, out, err = cli("plan", "sd15", "--target", "cpu", "--size", "1008x1024")  # the job contract's rule
     assert (code, out) == (2, "") and "width=1008: must be a multiple of 64 (the model's size step)" in err
+    code, out, err = cli("plan", "flux-schnell", "--target", "cpu", "--job", "img2img")
+    assert (code, out) == (2, "") and "job='img2img': a flux model renders text to image only" in err
 
 
 def test_an_unknown_target_names_the_known_ones() -> None:

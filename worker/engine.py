@@ -176,6 +176,34 @@ class InFlight:
         return is_ready is None or is_ready()
 
 
+
+def shape_key(model: LoadedModel, spec: JobSpec) -> ShapeKey:
+    """The rules a job meets on `model` (its family's schedulers, image jobs, inpainting), and
+    the program it renders in; the worker's and `renderfarm plan`'s, which has shapes in place
+    of weights."""
+    native = model.native_size
+    scheduler = spec.scheduler or model.default_scheduler
+    family = model.family
+    if scheduler not in family.schedulers:
+        raise JobError("scheduler", scheduler, f"a {family.name} model runs {', '.join(family.schedulers)}")
+    check_sampler(scheduler, spec.timestep_spacing, spec.karras)
+    width, height = spec.width or native, spec.height or native
+    if model.inpainting_unet and spec.mask_image is None:
+        raise JobError("mask_image", None, "this model's UNet inpaints (it takes a mask and a masked image): "
+                                           "its jobs need an init_image and a mask_image")
+    if spec.mask_image is not None and not family.inpainting:
+        raise JobError("mask_image", spec.mask_image, f"a {family.name} model cannot inpaint")
+    if spec.init_image is not None:
+        if not family.image_to_image:
+            raise JobError("init_image", spec.init_image, f"a {family.name} model renders text to image only")
+        if spec.width is None or spec.height is None:  # the image's own size, as the producer fills it
+            sized = check_init_image(spec, model.size_step)
+            width, height = sized.width, sized.height
+    return ShapeKey(width, height, spec.steps, scheduler,
+                    guided=family.classifier_free and model.guidance_scale(spec) > 1,
+                    timestep_spacing=spec.timestep_spacing, karras=spec.karras, image=spec.init_image is not None,
+                    mask=spec.mask_image is not None)
+
 class Engine:
     """Renders lists of job specs on all local devices, in job order."""
 
@@ -232,28 +260,7 @@ class Engine:
             raise JobError("base", spec.base, f"this engine serves the base {self.model.base!r}")
         if spec.loras != self.model.loras:
             raise JobError("loras", spec.loras, f"this engine serves the LoRA set {self.model.loras!r}")
-        native = self.model.native_size
-        scheduler = spec.scheduler or self.model.default_scheduler
-        family = self.model.family
-        if scheduler not in family.schedulers:
-            raise JobError("scheduler", scheduler, f"a {family.name} model runs {', '.join(family.schedulers)}")
-        check_sampler(scheduler, spec.timestep_spacing, spec.karras)
-        width, height = spec.width or native, spec.height or native
-        if self.model.inpainting_unet and spec.mask_image is None:
-            raise JobError("mask_image", None, "this model's UNet inpaints (it takes a mask and a masked image): "
-                                               "its jobs need an init_image and a mask_image")
-        if spec.mask_image is not None and not family.inpainting:
-            raise JobError("mask_image", spec.mask_image, f"a {family.name} model cannot inpaint")
-        if spec.init_image is not None:
-            if not family.image_to_image:
-                raise JobError("init_image", spec.init_image, f"a {family.name} model renders text to image only")
-            if spec.width is None or spec.height is None:  # the image's own size, as the producer fills it
-                sized = check_init_image(spec, self.model.size_step)
-                width, height = sized.width, sized.height
-        return ShapeKey(width, height, spec.steps, scheduler,
-                        guided=family.classifier_free and self.model.guidance_scale(spec) > 1,
-                        timestep_spacing=spec.timestep_spacing, karras=spec.karras, image=spec.init_image is not None,
-                        mask=spec.mask_image is not None)
+        return shape_key(self.model, spec)
 
     def plan(self, specs: Sequence[JobSpec]) -> list[tuple[ShapeKey, list[int]]]:
         """Group job indices by shape key (first-seen order) and cut them into batches."""
