@@ -62,7 +62,7 @@ from diffusion.convert import WeightsError
 from diffusion.errors import ModelError
 from diffusion.nn import parameter_shapes
 from diffusion.nn.clip import CLIPConfig, CLIPModel, CLIPVisionModel
-from diffusion.nn.unet import Dtype
+from diffusion.nn.layers import Dtype
 from diffusion.tokenizer import CLIPTokenizer, TokenizerError
 from diffusion.weights import PICKLE_SUFFIXES, load_tensors, load_weights, read_header
 # CLIPImageProcessor's (OpenAI CLIP's) normalisation.
