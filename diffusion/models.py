@@ -69,7 +69,7 @@ from diffusion.weights import (
 
 JAX_DTYPES = {name: jnp.dtype(name) for name in DTYPES}
 DIGESTS = "sha256.json"  # in the model cache: diffusion/digests.py
-# A single file's default base, by the family its tensors show: configs and tokenizers only.
+# A single file's default base, by the lineage its tensors show: configs and tokenizers only.
 STANDARD_BASES = {"flux-schnell": "black-forest-labs/FLUX.1-schnell", "flux-dev": "black-forest-labs/FLUX.1-dev",
                   "sd1": "stable-diffusion-v1-5/stable-diffusion-v1-5", "sd2": "stabilityai/stable-diffusion-2-1",
                   "sdxl": "stabilityai/stable-diffusion-xl-base-1.0"}
@@ -421,14 +421,14 @@ def _fitting_model_parallel(ref: str, folder: Path, family: Family, sources: dic
 
 def _single_file(ref: str, variant: str | None, base: str | None, weights: list[dict[str, Any]],
                  ) -> tuple[Path, str | None, Family, dict[str, dict[str, TensorInfo]]]:
-    """A single-file checkpoint: its family from its tensors, the base pipeline's configs and
-    tokenizers (the family's standard one by default), each component's tensors from the file
-    and, for components the file does not hold (a UNet or a Flux transformer saved alone), from the
-    base's weights."""
+    """A single-file checkpoint: its lineage from its tensors, the base pipeline's family,
+    configs and tokenizers (the lineage's standard one by default), each component's tensors
+    from the file and, for components the file does not hold (a UNet or a Flux transformer
+    saved alone), from the base's weights."""
     if variant is not None:
         raise ModelError("variant", variant, "a single-file checkpoint has no variants")
     path, revision = resolve_file(ref, "model")
-    base_ref = base or STANDARD_BASES[read_single_file(path).family]
+    base_ref = base or STANDARD_BASES[read_single_file(path).lineage]
     folder, _ = resolve(base_ref, weights=False)
     if not (folder / "model_index.json").is_file():
         raise ModelError("base", base_ref, "must be a diffusers pipeline folder (no model_index.json found)")

@@ -18,7 +18,7 @@ A file that also holds EMA weights (`model_ema.*`) is read for its regular weigh
 tensor is either placed or left out by a rule that says why (EMA copies, the training sampler's
 buffers, SD 2.x's last OpenCLIP layer, which diffusers drops, ...); any other tensor, or two
 tensors placed on one name, stops the load, named. Where diffusers silently drops a tensor no
-rule of its own takes, we refuse it: a file that does not match its family's layout is more
+rule of its own takes, we refuse it: a file that does not match its lineage's layout is more
 likely a misnamed or broken file than a model.
 
 A UNet saved alone in diffusers' own names (SDXL-Lightning's `*_unet.safetensors`) is a single
@@ -47,7 +47,7 @@ from diffusion.nn.flux import FluxConfig
 from diffusion.weights import PICKLE_SUFFIXES, TensorInfo, read_header
 
 UNET, VAE = "model.diffusion_model.", "first_stage_model."
-# The text encoders' prefixes in each family's files -> (component, layout). "clip": already
+# The text encoders' prefixes in each lineage's files -> (component, layout). "clip": already
 # transformers' CLIP names (convert_ldm_clip_checkpoint strips the prefix); "openclip": OpenCLIP's.
 TEXT_ENCODERS = {
     "cond_stage_model.transformer.": ("text_encoder", "clip"),  # SD 1.x: CLIP ViT-L
@@ -55,13 +55,13 @@ TEXT_ENCODERS = {
     "conditioner.embedders.0.transformer.": ("text_encoder", "clip"),  # SDXL: CLIP ViT-L
     "conditioner.embedders.1.model.": ("text_encoder_2", "openclip"),  # SDXL: OpenCLIP ViT-bigG
 }
-# What marks each family's file: the prefix of its (second) text encoder; a file has one of them.
-FAMILY_MARKERS = (("sdxl", "conditioner.embedders.1.model."), ("sd2", "cond_stage_model.model."),
+# What marks each lineage's file: the prefix of its (second) text encoder; a file has one of them.
+LINEAGE_MARKERS = (("sdxl", "conditioner.embedders.1.model."), ("sd2", "cond_stage_model.model."),
                   ("sd1", "cond_stage_model.transformer."))
 # What marks a Flux transformer in BFL's names, and BFL's dev (its guidance embedding); ComfyUI
 # files hold it under the UNet's prefix.
 BFL_MARKER, BFL_GUIDANCE = "double_blocks.0.img_attn.qkv.weight", "guidance_in.in_layer.weight"
-# A file's family -> the family (diffusion/families) of the pipelines that can be its base.
+# A file's lineage -> the family (diffusion/families) of the pipelines that can be its base.
 PIPELINE_FAMILIES = {"sd1": "sd", "sd2": "sd", "sdxl": "sdxl", "flux-schnell": "flux", "flux-dev": "flux"}
 _TEXT = r"(cond_stage_model|conditioner\.embedders\.\d+)\."
 # Tensors real files carry that no component takes, and why each is left out.
@@ -98,12 +98,14 @@ Placed = list[tuple[str, str, TensorInfo]]  # (component, diffusers name, view o
 
 @dataclasses.dataclass(frozen=True)
 class SingleFile:
-    """A single-file checkpoint read: its family and each component's tensors (diffusers'
+    """A single-file checkpoint read: its lineage and each component's tensors (diffusers'
     PyTorch names, as `save_pretrained` writes them -> views of the file); `ignored` says why
     each other tensor of the file was left out."""
 
     path: Path
-    family: str  # sd1, sd2, sdxl, flux-schnell or flux-dev
+    # the released model it descends from: sd1, sd2, sdxl, flux-schnell or flux-dev (not a
+    # diffusion.family.Family's name: PIPELINE_FAMILIES maps one to the other)
+    lineage: str
     components: dict[str, dict[str, TensorInfo]]  # unet, vae, text_encoder[, text_encoder_2]; or transformer
     ignored: dict[str, str]  # the file's tensor name -> why it was left out
 
@@ -113,23 +115,23 @@ def read_single_file(path: Path, configs: Mapping[str, Mapping[str, Any]] | None
     base pipeline's component configs, as in its `<component>/config.json`: the placing
     depends on them (`unet`: layers_per_block and its embeddings; `vae`: its block counts;
     each OpenCLIP text encoder: num_hidden_layers; Flux's `transformer`: its sizes). Without
-    them only the family is found (`components` and `ignored` are then empty), which is what
+    them only the lineage is found (`components` and `ignored` are then empty), which is what
     choosing the base needs.
-    Raises WeightsError for a pickle file (never opened), a family it cannot tell, a tensor
+    Raises WeightsError for a pickle file (never opened), a lineage it cannot tell, a tensor
     no rule places or ignores, or two tensors placed on one name."""
     path = Path(path)
     if path.name.lower().endswith(PICKLE_SUFFIXES):
         raise WeightsError(path.parent, f"{path.name} is a pickle file, which is never loaded: unpickling runs code "
                                         "from the file. Convert it to .safetensors on a trusted machine")
     tensors = read_header(path)
-    family = detect_family(path, tensors)
+    lineage = detect_lineage(path, tensors)
     if configs is None:
-        return SingleFile(path, family, {}, {})
+        return SingleFile(path, lineage, {}, {})
     if "conv_in.weight" in tensors:  # a diffusers UNet saved alone: already diffusers' names
-        return SingleFile(path, family, {"unet": dict(tensors)}, {})
-    if family.startswith("flux"):
-        return SingleFile(path, family, {"transformer": _bfl_transformer(path, family, tensors, configs)}, {})
-    rules = _Rules.of(path, family, configs)
+        return SingleFile(path, lineage, {"unet": dict(tensors)}, {})
+    if lineage.startswith("flux"):
+        return SingleFile(path, lineage, {"transformer": _bfl_transformer(path, lineage, tensors, configs)}, {})
+    rules = _Rules.of(path, lineage, configs)
     components: dict[str, dict[str, TensorInfo]] = {}
     sources: dict[tuple[str, str], str] = {}
     ignored: dict[str, str] = {}
@@ -150,23 +152,23 @@ def read_single_file(path: Path, configs: Mapping[str, Mapping[str, Any]] | None
             sources[component, key] = name
             components.setdefault(component, {})[key] = view
     if homeless:
-        raise WeightsError(path.parent, f"{path.name}: {count(len(homeless), 'tensor')} that no rule of a {family} "
+        raise WeightsError(path.parent, f"{path.name}: {count(len(homeless), 'tensor')} that no rule of a {lineage} "
                                         f"checkpoint places or ignores: {few(homeless)}")
-    return SingleFile(path, family, components, ignored)
+    return SingleFile(path, lineage, components, ignored)
 
 
-def detect_family(path: Path, names: Collection[str] | Mapping[str, TensorInfo]) -> str:
+def detect_lineage(path: Path, names: Collection[str] | Mapping[str, TensorInfo]) -> str:
     """sd1, sd2 or sdxl, from the prefix of the text encoder(s) the file holds (or, for a
     diffusers UNet alone, its added embedding and the width of its text conditioning, as
     diffusers' infer_diffusers_model_type tells SD 2.x by attn2.to_k's 1024 columns); or
     flux-dev or flux-schnell, a Flux transformer in BFL's names with a guidance embedding or not."""
-    found = [(family, f"{prefix}*") for family, prefix in FAMILY_MARKERS if any(n.startswith(prefix) for n in names)]
+    found = [(lineage, f"{prefix}*") for lineage, prefix in LINEAGE_MARKERS if any(n.startswith(prefix) for n in names)]
     bare = {name.removeprefix(UNET) for name in names if name.endswith((BFL_MARKER, BFL_GUIDANCE))}
     if BFL_MARKER in bare:
         found.append(("flux-dev" if BFL_GUIDANCE in bare else "flux-schnell", BFL_MARKER))
     if len(found) > 1:
-        raise WeightsError(path.parent, f"{path.name} holds the text encoders or transformers of several families: "
-                                        + ", ".join(f"{family} ({marker})" for family, marker in found))
+        raise WeightsError(path.parent, f"{path.name} holds the text encoders or transformers of several lineages: "
+                                        + ", ".join(f"{lineage} ({marker})" for lineage, marker in found))
     if found:
         return found[0][0]
     if "conv_in.weight" in names and "time_embedding.linear_1.weight" in names and isinstance(names, Mapping):
@@ -174,7 +176,7 @@ def detect_family(path: Path, names: Collection[str] | Mapping[str, TensorInfo])
             return "sdxl"
         context = [info.shape[-1] for key, info in names.items() if key.endswith("attn2.to_k.weight")]
         return "sd2" if context and context[0] == 1024 else "sd1"
-    raise WeightsError(path.parent, f"{path.name} is not a Stable Diffusion or Flux checkpoint whose family could "
+    raise WeightsError(path.parent, f"{path.name} is not a Stable Diffusion or Flux checkpoint whose lineage could "
                                     "be detected: looked for the text encoders of SDXL "
                                     "(conditioner.embedders.1.model.*), SD 2.x (cond_stage_model.model.*) or SD 1.x "
                                     "(cond_stage_model.transformer.*), "
@@ -184,10 +186,10 @@ def detect_family(path: Path, names: Collection[str] | Mapping[str, TensorInfo])
 
 
 def check_family(single: SingleFile, family: str, where: str) -> None:
-    """Refuse a base of another family than the file's (its configs would not fit)."""
-    expected = PIPELINE_FAMILIES[single.family]
+    """Refuse a base of another family than the file's lineage's (its configs would not fit)."""
+    expected = PIPELINE_FAMILIES[single.lineage]
     if family != expected:
-        raise WeightsError(single.path.parent, f"{single.path.name} holds {single.family} weights, but the base "
+        raise WeightsError(single.path.parent, f"{single.path.name} holds {single.lineage} weights, but the base "
                                                f"{where} is a {family} pipeline")
 
 
@@ -205,16 +207,16 @@ class _Rules:
     layers: Mapping[str, int]  # each OpenCLIP text encoder's depth: layers past it are left out
 
     @classmethod
-    def of(cls, path: Path, family: str, configs: Mapping[str, Mapping[str, Any]]) -> _Rules:
+    def of(cls, path: Path, lineage: str, configs: Mapping[str, Mapping[str, Any]]) -> _Rules:
         def get(component: str, key: str) -> Any:
             value = configs.get(component, {}).get(key)
             if value is None:
-                raise WeightsError(path.parent, f"{path.name} holds {family} weights, but the base has no "
-                                                f"{component}/config.json with {key} (is the base a {family} pipeline?)")
+                raise WeightsError(path.parent, f"{path.name} holds {lineage} weights, but the base has no "
+                                                f"{component}/config.json with {key} (is the base a {lineage} pipeline?)")
             return value
 
         add = configs.get("unet", {}).get("addition_embed_type") == "text_time"
-        openclip = {"sdxl": ("text_encoder_2",), "sd2": ("text_encoder",)}.get(family, ())
+        openclip = {"sdxl": ("text_encoder_2",), "sd2": ("text_encoder",)}.get(lineage, ())
         return cls(path, int(get("unet", "layers_per_block")), add, len(get("vae", "down_block_types")),
                    len(get("vae", "up_block_types")), {c: int(get(c, "num_hidden_layers")) for c in openclip})
 
@@ -344,23 +346,23 @@ def _openclip(rules: _Rules, component: str, name: str, prefix: str, info: Tenso
              info._replace(shape=shape, start=info.start + k * third, nbytes=third)) for k, part in enumerate("qkv")]
 
 
-def _bfl_transformer(path: Path, family: str, tensors: Mapping[str, TensorInfo],
+def _bfl_transformer(path: Path, lineage: str, tensors: Mapping[str, TensorInfo],
                      configs: Mapping[str, Mapping[str, Any]]) -> dict[str, TensorInfo]:
     """A Flux transformer in BFL's names -> its tensors in diffusers' names, as views of the file's
     rows (diffusion/bfl.py). Refuses a tensor the base's transformer has no place for, a tensor
     of the wrong height, one placed twice and one missing, each named as the file names it."""
     if "transformer" not in configs:
-        raise WeightsError(path.parent, f"{path.name} holds {family} weights, but the base has no "
+        raise WeightsError(path.parent, f"{path.name} holds {lineage} weights, but the base has no "
                                         "transformer/config.json (is the base a Flux pipeline?)")
     try:
         config = FluxConfig.from_dict(configs["transformer"])
     except (ValueError, TypeError) as err:
         raise WeightsError(path.parent, f"the base's transformer/config.json: {err}") from None
-    dev = family == "flux-dev"
+    dev = lineage == "flux-dev"
     if dev != config.guidance_embeds:
-        raise WeightsError(path.parent, f"{path.name} holds {family} weights ({'a' if dev else 'no'} guidance "
+        raise WeightsError(path.parent, f"{path.name} holds {lineage} weights ({'a' if dev else 'no'} guidance "
                                         f"embedding, {BFL_GUIDANCE}), but the base's transformer has guidance_embeds="
-                                        f"{str(config.guidance_embeds).lower()}: use a FLUX.1-{family[5:]} base")
+                                        f"{str(config.guidance_embeds).lower()}: use a FLUX.1-{lineage[5:]} base")
     placed: dict[str, TensorInfo] = {}
     sources: dict[str, str] = {}
     homeless, why = [], ""

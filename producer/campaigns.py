@@ -32,8 +32,8 @@ from producer.window import Feeder, check_window
 from renderfarm.images import IMAGE_SUFFIXES, check_init_image
 from renderfarm.ingest import SourceReader, SourceRow, row_unit
 from renderfarm.jobs import (
+    COARSEST_SIZE_STEP,
     SEED_LIMIT,
-    SIZE_STEP,
     JobError,
     JobSpec,
     Lora,
@@ -351,7 +351,7 @@ def _row_jobs(fields: Mapping[str, Any], seed: int, strengths: tuple[float, ...]
     jobs = [parse_job({**variant, **fields, "seed": seed}) for variant in variants]
     if jobs[0].init_image is None:
         return jobs
-    sized = check_init_image(jobs[0], SIZE_STEP)
+    sized = check_init_image(jobs[0], COARSEST_SIZE_STEP)
     return [dataclasses.replace(job, init_image_sha256=sized.init_image_sha256, width=sized.width,
                                 height=sized.height, mask_image_sha256=sized.mask_image_sha256) for job in jobs]
 

@@ -73,8 +73,8 @@ def weights_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base", metavar="REF",
                         help="for a single-file --model (x.safetensors): the pipeline whose configs and "
                              "tokenizers it uses, and the weights of the components the file lacks (a Flux "
-                             "transformer file: all but the transformer) (default: its family's standard hub "
-                             "pipeline)")
+                             "transformer file: all but the transformer) (default: the standard hub pipeline of "
+                             "its lineage, the released model it descends from)")
     parser.add_argument("--lora", dest="loras", action="append", metavar="REF[:SCALE]",
                         help="a LoRA merged into the weights (file, gs:// or hub org/repo/file.safetensors; "
                              "scale default 1.0); repeat for more (default: none)")

@@ -1,10 +1,10 @@
 """What each worker has done, in Redis, so `renderfarm status` can show the fleet.
 
-Every stored batch adds to its worker's hash (`rf:fleet:NODE`): images, megapixel-steps (the
-throughput unit AI Horde uses across sizes: width x height / 1e6 x steps per image), jobs
-and slots (how full its batches ran), the time of its first and last batch, and the queue it
-serves. One pipelined round trip a batch; a hash expires a week after its last batch, so
-workers long gone leave nothing behind.
+The jobs a worker stores add to its hash (`rf:fleet:NODE`), a bundle's at a time: images,
+megapixel-steps (the throughput unit AI Horde uses across sizes: width x height / 1e6 x
+steps per image), jobs and slots (how full its batches ran), the time of its first and last
+batch, and the queue it serves. One pipelined round trip a bundle; a hash expires a week
+after its last batch, so workers long gone leave nothing behind.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ KEEP_SECONDS = 7 * 24 * 3600
 STALL_SECONDS = 300.0  # a worker whose queue has jobs and that finished none for this long is flagged
 
 
-def record_batch(client: redis.Redis, node: str, queue: str, records: Iterable[Mapping[str, Any]]) -> None:
-    """Add one stored batch (its jobs' sidecars) to `node`'s totals."""
+def record_stored(client: redis.Redis, node: str, queue: str, records: Iterable[Mapping[str, Any]]) -> None:
+    """Add stored jobs (their sidecars: a bundle's, from one batch or several) to `node`'s totals."""
     records = list(records)
     if not records:
         return

@@ -334,8 +334,8 @@ def _sheet_total(sheet: bytes) -> int:
 
 
 class Refresher:
-    """Keeps galleries fresh without a rebuild per batch: call :meth:`stored` with the
-    campaigns of each stored batch (a campaign is refreshed at once the first time, then at
+    """Keeps galleries fresh without a rebuild per bundle: call :meth:`stored` with the
+    campaigns of each stored bundle (a campaign is refreshed at once the first time, then at
     most every ``interval`` seconds) and :meth:`flush` when the queue drains or the worker
     stops. Each refresh reads only the manifest lines written since the last one. A failed
     refresh is logged, never raised: a gallery must not fail renders."""

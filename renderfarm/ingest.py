@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from renderfarm.images import check_init_image
-from renderfarm.jobs import SEED_LIMIT, SIZE_STEP, JobError, JobSpec, parse_job
+from renderfarm.jobs import COARSEST_SIZE_STEP, SEED_LIMIT, JobError, JobSpec, parse_job
 
 FORMATS = (".txt", ".jsonl")
 SOURCE_FORMATS = (".txt", ".csv", ".parquet", ".jsonl")
@@ -82,17 +82,20 @@ def read_prompt_file(path: str | Path) -> Iterator[Row]:
 
 
 def build_jobs(rows: Iterable[Row], defaults: Mapping[str, Any],
-               base_seed: int | None = None, size_step: int = SIZE_STEP) -> Iterator[JobSpec]:
+               base_seed: int | None = None, size_step: int | None = None) -> Iterator[JobSpec]:
     """Merge each row over the flag defaults and validate it. The i-th job gets seed
     base_seed + i unless its row names a seed; without a base seed, a random recorded one.
-    An image job's init image is read and checked here, before anything is enqueued."""
+    An image job's init image is read and checked here, before anything is enqueued. Sizes
+    are held to `size_step`, the model's, where it is known (`renderfarm render`); a producer
+    gives none: sizes are held to the finest step of any family and an image job's default
+    size is rounded to the coarsest, so it renders on every family (renderfarm.jobs)."""
     for i, (line, row) in enumerate(rows):
         fields = {k: v for k, v in defaults.items() if v is not None}
         fields.update(row)
         if "seed" not in row:
             fields["seed"] = secrets.randbelow(SEED_LIMIT) if base_seed is None else base_seed + i
         try:
-            yield check_init_image(parse_job(fields, size_step=size_step), size_step)
+            yield check_init_image(parse_job(fields, size_step=size_step), size_step or COARSEST_SIZE_STEP)
         except JobError as err:
             raise err.at_line(line) if line is not None else err from None
 

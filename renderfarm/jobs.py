@@ -24,7 +24,13 @@ from renderfarm.scores import Expression  # a gate's language
 SEED_LIMIT = 2**32
 MAX_PROMPT_CHARS = 10_000  # far beyond 77 tokens; stops megabyte prompts at the door
 MAX_MODEL_CHARS = 1_000  # hub ids, paths and URLs are far shorter
-SIZE_STEP = 64  # VAE factor x UNet downsampling of SD 1.x, 2.x and XL
+# Size steps (VAE factor x the denoiser's downsampling) of the published families. A worker holds a
+# job's size to its own model's step; the producer, which does not know the model's family, to
+# the finest, so it refuses no size some family renders, and rounds a size it chooses (an image
+# job's default) to the coarsest, a size every family renders. tests/test_plan.py holds both to
+# the published architectures' own.
+FINEST_SIZE_STEP = 16  # Flux: VAE 8 x its 2x2 patches
+COARSEST_SIZE_STEP = 64  # SD 1.x and 2.x: VAE 8 x UNet 2**3 (SDXL's is 32: 2**2)
 CAMPAIGN_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 # Fields that change the pixels, so they make the job id.
@@ -76,7 +82,7 @@ class JobSpec:
     variant: str | None = None  # which weights files of the model (diffusers' `variant`); None: the default
     timestep_spacing: str | None = None  # leading, trailing or linspace; None: the scheduler config's
     karras: bool | None = None  # Karras sigmas (lms, euler, dpm); None: the scheduler config's
-    base: str | None = None  # a single-file model's pipeline (configs, tokenizers); None: its family's standard one
+    base: str | None = None  # a single-file model's pipeline (configs, tokenizers); None: its lineage's standard one
     loras: tuple[Lora, ...] | None = None  # merged into the weights at load, in this order
     scores: tuple[str, ...] | None = None  # of SCORES, in that order; they describe the pixels, not make them
     gate: str | None = None  # a filter on the scores (renderfarm/scores.py) the kept image should pass
@@ -207,12 +213,14 @@ def sampler_label(scheduler: str | None, timestep_spacing: str | None, karras: b
     return " ".join(filter(None, parts))
 
 
-def _size(field: str, value: Any, size_step: int) -> int | None:
+def _size(field: str, value: Any, size_step: int | None) -> int | None:
     if value is None:
         return None
     check_int(field, value, 64, 2048)
-    if value % size_step:
-        raise JobError(field, value, f"must be a multiple of {size_step} (the model's size step)")
+    step, whose = (FINEST_SIZE_STEP, "the finest size step of any model family") if size_step is None else \
+        (size_step, "the model's size step")
+    if value % step:
+        raise JobError(field, value, f"must be a multiple of {step} ({whose})")
     return value
 
 
@@ -234,8 +242,10 @@ def _one_of(field: str, value: Any, names: tuple[str, ...], optional: bool = Fal
     raise JobError(field, value, f"must be one of {', '.join(names)}")
 
 
-def parse_job(data: Mapping[str, Any], *, size_step: int = SIZE_STEP) -> JobSpec:
-    """Validate a job given as a mapping (a JSONL line, CLI flags, a queue message)."""
+def parse_job(data: Mapping[str, Any], *, size_step: int | None = None) -> JobSpec:
+    """Validate a job given as a mapping (a JSONL line, CLI flags, a queue message). Its width
+    and height are held to `size_step`, the model's, where the caller knows the model (a worker,
+    `renderfarm render`); else (a producer) to the finest step of any family."""
     if not isinstance(data, Mapping):
         raise JobError("job", data, "must be a JSON object")
     if not FIELD_NAMES.issuperset(data):

@@ -4,7 +4,7 @@ producers, workers, exports and galleries all use (docs/design.md lists every fi
     ROOT/CAMPAIGN/JOB_ID.png        the image
     ROOT/CAMPAIGN/JOB_ID.json       its sidecar
     ROOT/CAMPAIGN/manifest.jsonl    one line per finished job (local folders; renderfarm.manifest)
-    ROOT/CAMPAIGN/manifest/*.jsonl  the same as one part per stored batch (GCS)
+    ROOT/CAMPAIGN/manifest/*.jsonl  the same as one part per stored submission (GCS)
     ROOT/CAMPAIGN/thumbs/JOB_ID.jpg thumbnail (~128 px) for the gallery
     ROOT/CAMPAIGN/index.html        static gallery page (relative links)
     ROOT/CAMPAIGN/preview.png       contact sheet of the newest thumbnails

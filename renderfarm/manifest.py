@@ -1,7 +1,7 @@
 """A campaign's manifest: one JSON line per finished job, exactly once, whatever happens.
 
-A worker writes a batch's lines after its PNGs and sidecars are stored and before its jobs
-are acknowledged. It can die, or lose Redis, between the write and the acknowledgement;
+A worker writes a submission's lines (the jobs it stores at once: docs/design.md) after their
+PNGs and sidecars are stored and before the jobs are acknowledged. It can die, or lose Redis, between the write and the acknowledgement;
 the jobs then come back, their sidecars are found, and their lines must not be written
 again. So writes are idempotent by job id, on each backend in the way it can afford:
 
@@ -12,11 +12,11 @@ again. So writes are idempotent by job id, on each backend in the way it can aff
   worker's memory is bounded however large the campaign: two renders of one job (a
   duplicate delivery) store within moments of each other, and a job that comes back found
   stored is looked for in the whole file (`holds`).
-- GCS: an object cannot be appended to; rewriting it per batch moves bytes that grow with
+- GCS: an object cannot be appended to; rewriting it per submission moves bytes that grow with
   the campaign, and GCS takes about one write a second per object. So the manifest is a
-  folder of parts, `CAMPAIGN/manifest/TIME-WRITER-SEQ.jsonl`, one per stored batch, each
+  folder of parts, `CAMPAIGN/manifest/TIME-WRITER-SEQ.jsonl`, one per stored submission, each
   created once (`if_generation_match=0`) and never rewritten; names sort by time and
-  readers list them in that order. A batch's sidecars name its part before the part is
+  readers list them in that order. A submission's sidecars name its part before the part is
   written (`manifest_part`), so a job found stored when it comes back gets a line only if
   that part does not exist or does not hold it.
 
@@ -84,7 +84,7 @@ class Manifest(abc.ABC):
 
     @abc.abstractmethod
     def new_part(self, campaign: str) -> str:
-        """Where the lines of a batch about to be stored go (named in its sidecars)."""
+        """Where the lines of a submission about to be stored go (named in its sidecars)."""
 
     @abc.abstractmethod
     def append(self, campaign: str, part: str, entries: list[tuple[str, str]]) -> None:
@@ -201,7 +201,7 @@ class FileManifest(Manifest):
 
 
 class PartsManifest(Manifest):
-    """`CAMPAIGN/manifest/*.jsonl` on GCS: a part per batch, created once, never rewritten."""
+    """`CAMPAIGN/manifest/*.jsonl` on GCS: a part per submission, created once, never rewritten."""
 
     _writer = re.sub(r"[^A-Za-z0-9.-]", "-", f"{socket.gethostname()}-{os.getpid()}")[:64]
 

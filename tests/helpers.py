@@ -217,18 +217,18 @@ HOSTILE = ['<script>alert("x")</script> a cat', '"><img src=x onerror=alert(1)> 
 def store_jobs(storage: Storage, model: Any, jobs: list[JobSpec],
                colours: list[tuple[int, int, int]]) -> list[dict[str, Any]]:
     """The jobs' results, solid colours, stored the way the worker stores them (worker/output.py's
-    BatchWriter: PNG, sidecar, manifest lines, thumbnail): finished jobs without a render."""
+    ResultWriter: PNG, sidecar, manifest lines, thumbnail): finished jobs without a render."""
     import jax
 
     from worker.engine import Batch, Rendered, ShapeKey
-    from worker.output import BatchWriter
+    from worker.output import ResultWriter
 
-    batch = [Rendered(i, job, np.full((job.height, job.width, 3), colour, np.uint8),
-                      ShapeKey(job.width, job.height, job.steps, "pndm"), False, Batch(0, len(jobs), 8, 0.1))
-             for i, (job, colour) in enumerate(zip(jobs, colours, strict=True))]
+    results = [Rendered(i, job, np.full((job.height, job.width, 3), colour, np.uint8),
+                        ShapeKey(job.width, job.height, job.steps, "pndm"), False, Batch(0, len(jobs), 8, 0.1))
+               for i, (job, colour) in enumerate(zip(jobs, colours, strict=True))]
     stored: list[dict[str, Any]] = []
-    with BatchWriter(storage, model, jax.devices(), on_stored=stored.extend) as writer:
-        writer.submit(batch)
+    with ResultWriter(storage, model, jax.devices(), on_stored=stored.extend) as writer:
+        writer.submit(results)
     return stored
 
 

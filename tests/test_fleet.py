@@ -9,7 +9,7 @@ import time
 import redis
 
 from producer.submit import submit
-from renderfarm.fleet import STALL_SECONDS, fleet, record_batch
+from renderfarm.fleet import STALL_SECONDS, fleet, record_stored
 from tests.helpers import Cli
 
 
@@ -21,10 +21,10 @@ def records(n: int, seq: int, slots: int, width: int = 512, height: int = 512, s
 
 def test_a_workers_totals_rates_and_fill(broker: str) -> None:
     client = redis.Redis.from_url(broker)
-    record_batch(client, "w1@host", "rf.float32.m", records(8, seq=0, slots=8))
+    record_stored(client, "w1@host", "rf.float32.m", records(8, seq=0, slots=8))
     start = float(client.hget("rf:fleet:w1@host", "first_batch"))
     client.hset("rf:fleet:w1@host", "first_batch", start - 10)  # the first batch was 10 s ago
-    record_batch(client, "w1@host", "rf.float32.m", records(4, seq=1, slots=8, width=1024, height=1024, steps=4))
+    record_stored(client, "w1@host", "rf.float32.m", records(4, seq=1, slots=8, width=1024, height=1024, steps=4))
     (worker,) = fleet(client, {"rf.float32.m": 0})
     assert (worker["node"], worker["queue"], worker["images"]) == ("w1@host", "rf.float32.m", 12)
     assert abs(worker["images_per_second"] - 1.2) < 0.02  # over ~10 s
@@ -35,7 +35,7 @@ def test_a_workers_totals_rates_and_fill(broker: str) -> None:
 
 def test_a_worker_that_stopped_finishing_jobs_is_flagged(broker: str, cli: Cli) -> None:
     client = redis.Redis.from_url(broker)
-    record_batch(client, "stuck@host", "rf.float32.some/model", records(8, seq=0, slots=8))
+    record_stored(client, "stuck@host", "rf.float32.some/model", records(8, seq=0, slots=8))
     later = time.time() + STALL_SECONDS + 1
     assert fleet(client, {"rf.float32.some/model": 0}, now=later)[0]["stalled"] is False  # nothing to do
     assert fleet(client, {"rf.float32.some/model": 3}, now=later)[0]["stalled"] is True

@@ -110,7 +110,7 @@ def test_every_row_of_every_diffusers_tensor_comes_from_one_bfl_row(variant: str
 @pytest.mark.parametrize("prefix", ["", PREFIX])
 def test_a_bfl_file_loads_the_folders_parameters(tmp_path: Path, prefix: str, folder: LoadedModel) -> None:
     path = edited(tmp_path, prefix=prefix) if prefix else BFL_FILE
-    assert read_single_file(path).family == "flux-schnell"
+    assert read_single_file(path).lineage == "flux-schnell"
     single = read_single_file(path, folder.configs)
     views = single.components["transformer"]
     assert all(info.file == path for info in views.values())  # views of the file's bytes
@@ -124,7 +124,7 @@ def test_a_bfl_file_loads_the_folders_parameters(tmp_path: Path, prefix: str, fo
 def test_a_guidance_embedding_makes_a_bfl_file_dev_whose_default_base_is_flux_dev(tmp_path: Path) -> None:
     for prefix in ("", PREFIX):
         path = edited(tmp_path, add={"guidance_in.in_layer.weight": np.zeros((32, 256), np.float16)}, prefix=prefix)
-        assert read_single_file(path).family == "flux-dev"
+        assert read_single_file(path).lineage == "flux-dev"
     assert (STANDARD_BASES["flux-dev"], STANDARD_BASES["flux-schnell"]) == ("black-forest-labs/FLUX.1-dev",
                                                                             "black-forest-labs/FLUX.1-schnell")
 

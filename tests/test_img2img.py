@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from renderfarm.images import check_init_image, load_init_image
+from renderfarm.ingest import build_jobs
 from renderfarm.jobs import JobError, parse_job
 from tests.helpers import (
     DATA,
@@ -74,9 +75,10 @@ def test_a_text_jobs_id_is_unchanged_and_an_image_jobs_follows_its_pixels(tmp_pa
     assert parse_job(text).job_id == "ff452d6874482b5d167dee3938f55441"  # its id before image jobs existed
     copy = tmp_path / "elsewhere.png"
     shutil.copy(EXIF, copy)
-    here, there = (check_init_image(parse_job({**text, "init_image": str(p)}), 64) for p in (EXIF, copy))
+    here, there = (next(build_jobs([(None, {**text, "init_image": str(p)})], {})) for p in (EXIF, copy))
     assert here.init_image_sha256 == there.init_image_sha256 and here.job_id == there.job_id
-    assert here.strength == 0.8 and (here.width, here.height) == (64, 64)  # 72x96 once turned, rounded down
+    # 72x96 once turned, rounded down at the producer to the coarsest size step, which every family renders
+    assert here.strength == 0.8 and (here.width, here.height) == (64, 64)
     turned = check_init_image(parse_job({**text, "init_image": str(EXIF)}), 32)
     assert (turned.width, turned.height) == (64, 96)  # at a 32-pixel size step
     assert here.job_id != parse_job(text).job_id

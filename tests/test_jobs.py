@@ -27,7 +27,7 @@ GOOD = {"prompt": "a fox", "model": "m", "seed": 1}
     ({"guidance_scale": float("nan")}, "guidance_scale", "finite"),
     ({"guidance_scale": float("inf")}, "guidance_scale", "finite"),
     ({"guidance_scale": 51}, "guidance_scale", "0..50"),
-    ({"width": 96}, "width", "multiple of 64"),
+    ({"width": 100}, "width", "multiple of 16 (the finest size step of any model family)"),
     ({"height": 4096}, "height", "64..2048"),
     ({"scheduler": "heun"}, "scheduler", "one of pndm, ddim, lms, euler, dpm, euler_a, lcm"),
     ({"timestep_spacing": "karras"}, "timestep_spacing", "one of leading, trailing, linspace"),
@@ -52,6 +52,8 @@ def test_defaults_and_model_size_step() -> None:
     spec = parse_job(GOOD)
     assert (spec.steps, spec.guidance_scale, spec.negative_prompt, spec.campaign) == (25, None, "", "local")
     assert parse_job({**GOOD, "width": 80}, size_step=16).width == 80
+    # a Flux size (its step is 16): the producer, which does not know the model's family, takes it
+    assert parse_job({**GOOD, "width": 1008}).width == 1008
 
 
 def test_job_id_is_content_derived() -> None:

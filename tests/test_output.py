@@ -1,4 +1,4 @@
-"""The BatchWriter's promise: storing overlaps rendering, but never runs more than
+"""The ResultWriter's promise: storing overlaps rendering, but never runs more than
 `max_pending` batches behind, so a slow store holds back the renderer instead of filling
 memory with finished images."""
 
@@ -15,7 +15,7 @@ from harness.farm import STEPS
 from renderfarm.jobs import JobError, parse_job
 from renderfarm.storage import open_storage
 from worker.engine import Batch, Rendered, ShapeKey
-from worker.output import BatchWriter
+from worker.output import ResultWriter
 
 SIZE = 512  # noise this big takes about 15 ms to encode: storing is the slow side
 
@@ -31,8 +31,8 @@ def noise_batch(model: Any, n: int, seq: int) -> list[Rendered]:
 
 def test_submit_waits_once_max_pending_batches_are_behind(sd_model: Any, tmp_path: Path) -> None:
     stored_batches: list[int] = []
-    writer = BatchWriter(open_storage(str(tmp_path), durable=False), sd_model, jax.devices(), threads=1,
-                         max_pending=2, on_stored=lambda records: stored_batches.append(records[0]["batch"]["seq"]))
+    writer = ResultWriter(open_storage(str(tmp_path), durable=False), sd_model, jax.devices(), threads=1,
+                          max_pending=2, on_stored=lambda records: stored_batches.append(records[0]["batch"]["seq"]))
     with writer:
         for seq in range(6):
             writer.submit(noise_batch(sd_model, 4, seq))
@@ -44,9 +44,9 @@ def test_submit_waits_once_max_pending_batches_are_behind(sd_model: Any, tmp_pat
 def test_store_threads_share_a_batch_and_must_be_at_least_one(sd_model: Any, tmp_path: Path) -> None:
     storage = open_storage(str(tmp_path), durable=False)
     stored: list[list[int]] = []
-    with BatchWriter(storage, sd_model, jax.devices(), threads=3,
-                     on_stored=lambda records: stored.append([r["spec"]["seed"] for r in records])) as writer:
+    with ResultWriter(storage, sd_model, jax.devices(), threads=3,
+                      on_stored=lambda records: stored.append([r["spec"]["seed"] for r in records])) as writer:
         writer.submit(noise_batch(sd_model, 7, 0))
     assert stored == [list(range(7))]  # every job, in batch order, from three threads' chunks
     with pytest.raises(JobError, match=r"store_threads=0: must be at least 1"):
-        BatchWriter(storage, sd_model, jax.devices(), threads=0)
+        ResultWriter(storage, sd_model, jax.devices(), threads=0)

@@ -17,7 +17,7 @@ import pytest
 from diffusion.architectures import ARCHITECTURES, abstract_model
 from diffusion.nn.attention import Call, attention, recording, use_kernel
 from diffusion.targets import GIB, TARGETS, target
-from renderfarm.jobs import JobError, JobSpec
+from renderfarm.jobs import COARSEST_SIZE_STEP, FINEST_SIZE_STEP, JobError, JobSpec, parse_job
 from tests.helpers import Cli
 from worker.plan import Plan, ProgramPlan, engine_for, format_plan, make_plan
 
@@ -103,11 +103,13 @@ def test_the_text_report_says_what_the_plan_says(tpu_plan: Plan) -> None:
 
 
 def test_a_program_that_does_not_fit_says_by_how_much_per_chip(cli: Cli, tiny_sd: Path) -> None:
+    """An inpainting job's program (the VAE encodes the image and the loop blends the mask in):
+    planned as the worker compiles it."""
     code, data = plan_json(cli, tiny_sd, "--target", "cpu", "--size", "64", "--steps", "2", "--guidance", "1",
-                           "--memory-per-chip", "0.001")
+                           "--memory-per-chip", "0.001", "--job", "inpaint")
     assert code == 1 and data["ok"] is False  # a program that does not fit fails the command, for scripts
     (program,) = data["programs"]
-    assert program["compiled"] and program["shape"] == "64x64@2 pndm cfg-free"
+    assert program["compiled"] and program["shape"] == "64x64@2 pndm cfg-free inpaint"
     assert set(program["kernels"]) == {"batch"}  # the CPU's kernel
     assert data["devices"] == len(jax.devices("cpu")) and data["usable_per_chip"] == 1_000_000
     assert program["fits"] is False and program["largest_per_device_batch"] == 0
@@ -122,8 +124,10 @@ def test_the_command_refuses_bad_input_by_name(cli: Cli) -> None:
     assert (code, out) == (2, "") and "per-device-batch=0: must be at least 1" in err
     code, out, err = cli("plan", "sd15", "--target", "tpu-v5e")
     assert (code, out) == (2, "") and "target='tpu-v5e': must be one of" in err
-    code, out, err = cli("plan", "sd15", "--target", "cpu", "--size", "500x512")  # the job contract's rule
-    assert (code, out) == (2, "") and "width=500: must be a multiple of 64" in err
+    code, out, err = cli("plan", "sd15", "--target", "cpu", "--size", "1008x1024")  # the job contract's rule
+    assert (code, out) == (2, "") and "width=1008: must be a multiple of 64 (the model's size step)" in err
+    code, out, err = cli("plan", "flux-schnell", "--target", "cpu", "--job", "img2img")
+    assert (code, out) == (2, "") and "job='img2img': a flux model renders text to image only" in err
 
 
 def test_an_unknown_target_names_the_known_ones() -> None:
@@ -148,6 +152,18 @@ def test_published_architectures_have_the_released_sizes(name: str, family: str,
     assert model.family.name == family
     assert sum(leaf.size for leaf in leaves) == parameters
     assert {str(leaf.dtype) for leaf in leaves} == {"bfloat16"}
+
+
+def test_the_producers_size_steps_are_the_published_architectures_finest_and_coarsest() -> None:
+    """A Flux job 1008 wide passes the producer, which does not know its model's family; the
+    worker holds it to its own model's step: Flux's takes it, SD 1.5's refuses it by name."""
+    steps = {name: abstract_model(name).size_step for name in ARCHITECTURES}
+    assert (min(steps.values()), max(steps.values())) == (FINEST_SIZE_STEP, COARSEST_SIZE_STEP)
+    job = {"prompt": "a fox", "model": "m", "seed": 1, "width": 1008}
+    assert parse_job(job).width == parse_job(job, size_step=steps["flux-dev"]).width == 1008
+    with pytest.raises(JobError, match=r"width=1008: must be a multiple of 64 \(the model's size step\)") as err:
+        parse_job(job, size_step=steps["sd15"])
+    assert err.value.field == "width"
 
 
 def test_recording_lists_the_kernel_each_attention_took() -> None:

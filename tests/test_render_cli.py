@@ -139,7 +139,11 @@ def test_precompile_shapes_name_their_sampler_and_guidance() -> None:
     assert parse_shapes("512x512@25,768x512@30:dpm:karras,1024x1024@4:euler_a:trailing:cfg-free,64x64@2:cfg-free") == [
         shape(512, 512, 25), shape(768, 512, 30, "dpm", karras=True),
         shape(1024, 1024, 4, "euler_a", "trailing", guidance=1.0), shape(64, 64, 2, guidance=1.0)]
+    # image jobs' programs, picked by placeholder image fields (their shapes are the job's size)
+    assert parse_shapes("64x64@4:img2img,64x64@4:dpm:inpaint") == [
+        {**shape(64, 64, 4), "init_image": "-", "strength": 1.0},
+        {**shape(64, 64, 4, "dpm"), "init_image": "-", "mask_image": "-"}]
     for bad in ("64x64", "64x64@2:heun", "64x64@2:dpm:ddim", "64x64@2:cfg-free:cfg-free", "64x64@2:cfg",
-                "64x64@2:trailing:leading", "64x64@2:karras:karras"):
+                "64x64@2:trailing:leading", "64x64@2:karras:karras", "64x64@2:img2img:inpaint"):
         with pytest.raises(JobError, match=re.escape(f"precompile={bad!r}: must be WIDTHxHEIGHT@STEPS")):
             parse_shapes(bad)

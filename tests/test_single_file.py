@@ -69,7 +69,7 @@ def test_every_component_read_through_the_views_is_the_folders_own_safetensors(f
     equals the folder's bit for bit. For sd1 this also proves the EMA copies are not used: they hold
     other values (test_ema_copies_...)."""
     single = read_family(family)
-    assert single.family == family
+    assert single.lineage == family
     assert sorted(single.components) == components(family)
     for component in components(family):
         want, got = folder_tensors(family, component), single.components[component]
@@ -273,7 +273,7 @@ def test_a_file_of_another_kind_is_refused_saying_what_was_looked_for(tmp_path: 
     for path in (random, lora):
         for with_configs in (None, configs("sd1")):
             with pytest.raises(WeightsError, match=rf"{path.name} is not a Stable Diffusion or Flux checkpoint whose "
-                                                   r"family could be detected: looked for the text encoders of SDXL "
+                                                   r"lineage could be detected: looked for the text encoders of SDXL "
                                                    r"\(conditioner\.embedders\.1\.model\.\*\), SD 2\.x .* SD 1\.x "
                                                    r"\(cond_stage_model\.transformer\.\*\), or a diffusers UNet"):
                 read_single_file(path, with_configs)
@@ -281,7 +281,7 @@ def test_a_file_of_another_kind_is_refused_saying_what_was_looked_for(tmp_path: 
             load_model(str(path), base=str(ORACLE / "sd1" / "model"))
     mixed = edited(tmp_path, add={"cond_stage_model.model.ln_final.weight": np.zeros(32, np.float32)})
     with pytest.raises(WeightsError, match=r"edited.safetensors holds the text encoders or transformers of several "
-                                           r"families: sd2 \(cond_stage_model\.model\.\*\), "
+                                           r"lineages: sd2 \(cond_stage_model\.model\.\*\), "
                                            r"sd1 \(cond_stage_model\.transformer\.\*\)$"):
         read_single_file(mixed)
 
@@ -305,4 +305,4 @@ def test_without_configs_only_the_family_is_read() -> None:
     """What choosing the default base needs, before any config is fetched."""
     for family in FAMILIES:
         single = read_single_file(SINGLE / f"{family}.safetensors")
-        assert (single.family, single.components, single.ignored) == (family, {}, {})
+        assert (single.lineage, single.components, single.ignored) == (family, {}, {})

@@ -1,13 +1,13 @@
 """kombu's Redis transport, with messages popped and recorded as unacked in one atomic step,
-several at a time, and less Redis work per message for a worker that acks in batches.
+several at a time, and less Redis work per message for a worker that acks a bundle of jobs at once.
 
 - Deliveries: stock kombu BRPOPs one message, then records it in the unacked hash and index
   from Python; a worker killed between the two loses the message. Here a Lua script
   (lua/pop_and_record.lua, sent as EVALSHA, atomic) pops up to the prefetch credit (at most
   MAX_POP) from the queue's priority lists and records each one before returning them all,
   so a message is always either in its queue or in the unacked hash, from where kombu's
-  restore brings it back after the visibility timeout. One round trip per batch of messages
-  instead of two per message.
+  restore brings it back after the visibility timeout. One round trip per pop of several
+  messages instead of two per message.
 - Tags: stock kombu records a message under the delivery tag it carries, so a message pushed
   with the tag of one held unacked overwrites that one's record, which is then never
   restored. The pop script gives such a message a fresh tag (`TAG#TIME.N`) and the message
@@ -26,7 +26,7 @@ several at a time, and less Redis work per message for a worker that acks in bat
   `drain_events()` would wait on a socket with nothing to answer. The wait keeps
   `maybe_check_brpop_health` quiet: a reply is due within `brpop_timeout`, as for BRPOP.
 - Acks: stock kombu removes each acked message from the unacked index in its own round
-  trip; a worker acks a stored batch together, so here they go in one pipeline per
+  trip; a worker acks a stored bundle together, so here they go in one pipeline per
   event-loop tick. A worker that dies between an ack and the flush leaves those messages
   unacked; they are delivered again after the visibility timeout and the worker that gets
   them finds their results stored (at least once, as before).

@@ -22,29 +22,35 @@ if TYPE_CHECKING:
 SHAPE_RE = re.compile(r"(\d+)x(\d+)@(\d+)((?::[\w-]+)*)")
 CFG_FREE = "cfg-free"  # a --precompile option: the program of jobs with guidance <= 1
 KARRAS = "karras"  # a --precompile option: Karras sigmas
-SHAPE_RULE = (f"must be WIDTHxHEIGHT@STEPS[:SCHEDULER][:SPACING][:{KARRAS}][:{CFG_FREE}], comma-separated "
-              f"(schedulers {', '.join(SCHEDULERS)}; spacings {', '.join(SPACINGS)})")
+# --precompile options for image jobs' programs, and the placeholder job fields that pick them
+# (the program's shapes are the job's size; strength is an input, not a shape)
+IMAGE_JOBS = {"img2img": {"init_image": "-", "strength": 1.0}, "inpaint": {"init_image": "-", "mask_image": "-"}}
+SHAPE_RULE = (f"must be WIDTHxHEIGHT@STEPS[:SCHEDULER][:SPACING][:{KARRAS}][:{CFG_FREE}][:img2img|:inpaint], "
+              f"comma-separated (schedulers {', '.join(SCHEDULERS)}; spacings {', '.join(SPACINGS)})")
 
 
 def parse_shapes(text: str) -> list[dict[str, Any]]:
-    """`512x512@25,1024x1024@4:euler_a:trailing:cfg-free` -> the job fields of each program
-    to compile: width, height, steps, scheduler, timestep_spacing, karras and a guidance
-    scale that picks the program with (7.5) or without (1.0) classifier-free guidance."""
+    """`512x512@25,1024x1024@4:euler_a:trailing:cfg-free,512x512@25:inpaint` -> the job fields
+    of each program to compile: width, height, steps, scheduler, timestep_spacing, karras, a
+    guidance scale that picks the program with (7.5) or without (1.0) classifier-free guidance,
+    and an image job's placeholder image fields."""
     shapes = []
     for part in filter(None, text.split(",")):
         match = SHAPE_RE.fullmatch(part.strip())
         options = match[4].split(":")[1:] if match else []
         schedulers = [o for o in options if o in SCHEDULERS]
         spacings = [o for o in options if o in SPACINGS]
-        known = len(schedulers) + len(spacings) + options.count(KARRAS) + options.count(CFG_FREE)
+        images = [o for o in options if o in IMAGE_JOBS]
+        known = len(schedulers) + len(spacings) + len(images) + options.count(KARRAS) + options.count(CFG_FREE)
         if not match or known != len(options) or len(options) != len(set(options)) or len(schedulers) > 1 \
-                or len(spacings) > 1:
+                or len(spacings) > 1 or len(images) > 1:
             raise JobError("precompile", part, SHAPE_RULE)
         shapes.append({"width": int(match[1]), "height": int(match[2]), "steps": int(match[3]),
                        "scheduler": schedulers[0] if schedulers else None,
                        "timestep_spacing": spacings[0] if spacings else None,
                        "karras": True if KARRAS in options else None,
-                       "guidance_scale": 1.0 if CFG_FREE in options else 7.5})
+                       "guidance_scale": 1.0 if CFG_FREE in options else 7.5,
+                       **(IMAGE_JOBS[images[0]] if images else {})})
     return shapes
 
 

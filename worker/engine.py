@@ -70,8 +70,8 @@ class ShapeKey:
 
 @dataclasses.dataclass(frozen=True)
 class Batch:
-    """The device batch a job was rendered in, for its sidecar (and for measuring how
-    full batches run)."""
+    """The batch a job was rendered in (docs/design.md, "Batching and compilation"), as its
+    sidecar records it (and for measuring how full batches run)."""
 
     seq: int  # this engine's batch counter
     jobs: int  # real jobs in it
@@ -176,6 +176,34 @@ class InFlight:
         return is_ready is None or is_ready()
 
 
+
+def shape_key(model: LoadedModel, spec: JobSpec) -> ShapeKey:
+    """The rules a job meets on `model` (its family's schedulers, image jobs, inpainting), and
+    the program it renders in; the worker's and `renderfarm plan`'s, which has shapes in place
+    of weights."""
+    native = model.native_size
+    scheduler = spec.scheduler or model.default_scheduler
+    family = model.family
+    if scheduler not in family.schedulers:
+        raise JobError("scheduler", scheduler, f"a {family.name} model runs {', '.join(family.schedulers)}")
+    check_sampler(scheduler, spec.timestep_spacing, spec.karras)
+    width, height = spec.width or native, spec.height or native
+    if model.inpainting_unet and spec.mask_image is None:
+        raise JobError("mask_image", None, "this model's UNet inpaints (it takes a mask and a masked image): "
+                                           "its jobs need an init_image and a mask_image")
+    if spec.mask_image is not None and not family.inpainting:
+        raise JobError("mask_image", spec.mask_image, f"a {family.name} model cannot inpaint")
+    if spec.init_image is not None:
+        if not family.image_to_image:
+            raise JobError("init_image", spec.init_image, f"a {family.name} model renders text to image only")
+        if spec.width is None or spec.height is None:  # the image's own size, as the producer fills it
+            sized = check_init_image(spec, model.size_step)
+            width, height = sized.width, sized.height
+    return ShapeKey(width, height, spec.steps, scheduler,
+                    guided=family.classifier_free and model.guidance_scale(spec.guidance_scale) > 1,
+                    timestep_spacing=spec.timestep_spacing, karras=spec.karras, image=spec.init_image is not None,
+                    mask=spec.mask_image is not None)
+
 class Engine:
     """Renders lists of job specs on all local devices, in job order."""
 
@@ -232,28 +260,7 @@ class Engine:
             raise JobError("base", spec.base, f"this engine serves the base {self.model.base!r}")
         if spec.loras != self.model.loras:
             raise JobError("loras", spec.loras, f"this engine serves the LoRA set {self.model.loras!r}")
-        native = self.model.native_size
-        scheduler = spec.scheduler or self.model.default_scheduler
-        family = self.model.family
-        if scheduler not in family.schedulers:
-            raise JobError("scheduler", scheduler, f"a {family.name} model runs {', '.join(family.schedulers)}")
-        check_sampler(scheduler, spec.timestep_spacing, spec.karras)
-        width, height = spec.width or native, spec.height or native
-        if self.model.inpainting_unet and spec.mask_image is None:
-            raise JobError("mask_image", None, "this model's UNet inpaints (it takes a mask and a masked image): "
-                                               "its jobs need an init_image and a mask_image")
-        if spec.mask_image is not None and not family.inpainting:
-            raise JobError("mask_image", spec.mask_image, f"a {family.name} model cannot inpaint")
-        if spec.init_image is not None:
-            if not family.image_to_image:
-                raise JobError("init_image", spec.init_image, f"a {family.name} model renders text to image only")
-            if spec.width is None or spec.height is None:  # the image's own size, as the producer fills it
-                sized = check_init_image(spec, self.model.size_step)
-                width, height = sized.width, sized.height
-        return ShapeKey(width, height, spec.steps, scheduler,
-                        guided=family.classifier_free and self.model.guidance_scale(spec.guidance_scale) > 1,
-                        timestep_spacing=spec.timestep_spacing, karras=spec.karras, image=spec.init_image is not None,
-                        mask=spec.mask_image is not None)
+        return shape_key(self.model, spec)
 
     def plan(self, specs: Sequence[JobSpec]) -> list[tuple[ShapeKey, list[int]]]:
         """Group job indices by shape key (first-seen order) and cut them into batches."""
@@ -462,11 +469,11 @@ class Engine:
                 out[name] = round(float(scores[name][n]), 4)
         return out, missing
 
-    def collect(self, batch: InFlight) -> list[Rendered]:
+    def collect(self, inflight: InFlight) -> list[Rendered]:
         """Wait for a started batch; its jobs' images (padding dropped) and scores, a gated
         job's image the first of its attempts that passes its gate (the job's own seed, then
         each re-roll's: renderfarm.jobs.reroll_seed), or its first when none passes."""
-        rendered = self._collected(batch)
+        rendered = self._collected(inflight)
         gated = [r for r in rendered if r.spec.gate is not None]
         for r in gated:
             r.attempts = [_attempt(r, r.spec.seed)]
@@ -476,7 +483,7 @@ class Engine:
             again = [dataclasses.replace(r.spec, seed=seed) for r, seed in zip(retry, seeds)]
             for start in range(0, len(again), self.batch_size):
                 chunk = list(range(start, min(start + self.batch_size, len(again))))
-                for n, result in zip(chunk, self._collected(self.start(again, batch.key, chunk))):
+                for n, result in zip(chunk, self._collected(self.start(again, inflight.key, chunk))):
                     r = retry[n]
                     r.attempts.append(_attempt(result, seeds[n]))
                     if r.attempts[-1]["passed"]:
@@ -486,27 +493,28 @@ class Engine:
             retry = [r for r in retry if r.attempts[-1]["failed"] and len(r.attempts) <= r.spec.rerolls]
         return rendered
 
-    def _collected(self, batch: InFlight) -> list[Rendered]:
+    def _collected(self, inflight: InFlight) -> list[Rendered]:
         """A started batch's images (padding dropped) and scores. A scorer that fails costs
         the jobs their scores (each says why), never their images."""
-        pixels, scanlines = np.asarray(batch.output.images), np.asarray(batch.output.scanlines)
+        pixels, scanlines = np.asarray(inflight.output.images), np.asarray(inflight.output.scanlines)
         scores: dict[str, np.ndarray] | str | None = None
-        if batch.scores is not None:
+        if inflight.scores is not None:
             try:
-                scores = {name: np.asarray(value) for name, value in batch.scores.items()}
+                scores = {name: np.asarray(value) for name, value in inflight.scores.items()}
             except Exception as err:  # noqa: BLE001 - the images stand without their scores
-                log.warning("batch %d: scoring failed: %s", batch.seq, err)
+                log.warning("batch %d: scoring failed: %s", inflight.seq, err)
                 scores = f"scoring failed: {type(err).__name__}: {err}"
         now = time.perf_counter()
         # The devices run batches one after another: this one had them from its start, or
         # from the end of the one before if that ended later.
-        busy = now - max(batch.started, self._last_collected)
+        busy = now - max(inflight.started, self._last_collected)
         self._last_collected = now
-        self._record_peak_memory(batch.key)
-        info = Batch(batch.seq, len(batch.specs), self.batch_size, now - batch.started, busy * len(self.devices))
-        return [Rendered(i, spec, pixels[n], batch.key, batch.truncated[n], info, scanlines[n],
+        self._record_peak_memory(inflight.key)
+        info = Batch(inflight.seq, len(inflight.specs), self.batch_size, now - inflight.started,
+                     busy * len(self.devices))
+        return [Rendered(i, spec, pixels[n], inflight.key, inflight.truncated[n], info, scanlines[n],
                          *self._job_scores(spec, scores, n))
-                for n, (i, spec) in enumerate(zip(batch.indices, batch.specs))]
+                for n, (i, spec) in enumerate(zip(inflight.indices, inflight.specs))]
 
     def iter_render(self, specs: Sequence[JobSpec],
                     plan: list[tuple[ShapeKey, list[int]]] | None = None) -> Iterator[list[Rendered]]:
@@ -525,5 +533,5 @@ class Engine:
 
     def render(self, specs: Sequence[JobSpec]) -> list[Rendered]:
         """All jobs, in the order given, padding dropped."""
-        done = [r for batch in self.iter_render(specs) for r in batch]
+        done = [r for results in self.iter_render(specs) for r in results]
         return sorted(done, key=lambda r: r.index)

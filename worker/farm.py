@@ -1,19 +1,19 @@
 """The farm worker: a Celery worker (solo pool, JAX in the main process) that consumes its
 model's queue in batches of `devices x per_device_batch` jobs.
 
-A job's life, in the order it happens (Processor, one method each), inside its batch
-(worker.batches.JobBatch, whose state says which step it is at):
+A job's life, in the order it happens (Processor, one method each), inside its bundle
+(worker.bundles.Bundle: the jobs gathered for one batch, whose state says which step it is at):
   receive   the message is a job, valid here (or it is failed for good and dead-lettered)
-  gather    jobs wait for a full batch of their shape (intake)              GATHERED
+  gather    jobs wait for a full bundle of their shape (intake)             GATHERED
   admit     cancelled campaigns skipped, attempts counted, a job stored already not redone
   render    on the devices; the program is compiled off the consumer's thread
                                                                   COMPILING, RENDERING
-  store     PNG, sidecar, manifest line, on the store threads (worker.output.BatchWriter)
+  store     PNG, sidecar, manifest line, on the store threads (worker.output.ResultWriter)
                                                                              STORING
   end       succeeded, retried or failed (worker.outcomes: the one place for the retry policy),
-            then acknowledged or put back on the queue; taken out of its batch first,
+            then acknowledged or put back on the queue; taken out of its bundle first,
             which is SETTLED once it holds no job
-Metrics, the fleet's hash, galleries and the rate log are hooks on the batches' state
+Metrics, the fleet's hash, galleries and the rate log are hooks on the bundles' state
 changes (worker.hooks).
 The message arrives already checked by the transport (worker.envelope): nothing in it can
 make Celery or kombu raise. Whatever raises later is caught where the job's life ends, so a
@@ -40,7 +40,7 @@ from renderfarm.storage import open_storage
 from worker.broker import transport_for
 from worker.engine import Engine
 from worker.hooks import FleetHook, GalleryHook, MetricsHook, RateLog
-from worker.intake import Batcher, render_task
+from worker.intake import RenderStrategy, render_task
 from worker.processing import Processor
 from worker.stopping import StopDeadline, drain_step
 
@@ -63,8 +63,8 @@ def build_worker(engine: Engine, settings: Settings, out: str, *, node: str | No
     storage = open_storage(out, retry=RetryPolicy(attempts=14, base_delay=0.5, max_delay=30.0))
     app = make_app(settings)
     app.conf.broker_transport = transport_for(settings.broker_url)
-    # Unacked: the batches being gathered (one per shape key on the queue), the one
-    # rendering, those being stored (BatchWriter keeps at most 2), and the next ones.
+    # Unacked: the bundles being gathered (one per shape key on the queue), the one
+    # rendering, those being stored (ResultWriter keeps at most 2), and the next ones.
     app.conf.worker_prefetch_multiplier = 8 * engine.batch_size
     queue = queue_name(model.ref, model.dtype, model.variant, model.base, model.loras)
     node = node or node_name()
@@ -87,7 +87,7 @@ def build_worker(engine: Engine, settings: Settings, out: str, *, node: str | No
         hooks.append(MetricsHook(metrics, engine))
     processor = Processor(engine, storage, progress, app, settings, store_threads=store_threads,
                           hooks=hooks, metrics=metrics)
-    app.register_task(render_task(Batcher(processor, engine.batch_size, max_wait)))
+    app.register_task(render_task(RenderStrategy(processor, engine.batch_size, max_wait)))
     app.steps["consumer"].add(drain_step(StopDeadline(processor, drain_seconds)))
     log.info("serving %s (%s) from queue %r in batches of %d on %d %s devices, storing to %s",
              model.ref, model.dtype, queue, engine.batch_size, len(engine.devices),

@@ -1,10 +1,11 @@
 """Messages in: the render task's Celery strategy turns each delivered request into a Job
-(worker.processing.Processor.receive checks it) and gathers jobs by shape into batches.
+(worker.processing.Processor.receive checks it) and gathers jobs by shape into bundles, each
+the jobs of one batch (worker.bundles).
 
 Why not celery-batches: it sends no per-job task events (Flower would see nothing), its
 `Task.retry` does not work, and after a broker reconnect it can stop flushing while holding
 unacked messages. This module is the small part of it we need, on Celery's own consumer
-API: a task Strategy that buffers requests and flushes them when a batch is full or
+API: a task Strategy that buffers requests and flushes them when a bundle is full or
 `max_wait` has passed, rebuilt cleanly on every reconnect, with Celery's own per-request
 events and worker state, so Flower and `inspect` see every job."""
 
@@ -20,25 +21,25 @@ from celery.worker.request import Request, create_request_cls
 from celery.worker.state import task_reserved
 
 from renderfarm.queue import TASK_NAME
-from worker.batches import Job, JobBatch
+from worker.bundles import Bundle, Job
 from worker.engine import ShapeKey
 from worker.processing import Processor
 
 log = logging.getLogger("renderfarm.worker")
 
-# Seconds without an arriving job after which idle devices take a partial batch: while the
+# Seconds without an arriving job after which idle devices take a partial bundle: while the
 # queue has jobs, the worker's pop (worker.broker) brings them in far quicker than that.
 QUEUE_QUIET = 0.05
 
 
 class Gatherer:
-    """Jobs waiting for their batch, by shape key, so batches run full even when shapes
-    interleave on the queue. A key's batch runs when it is full, when its first job has
-    waited `max_wait` seconds of the worker's free time (time spent waiting for the
-    devices does not count: no message can arrive then), or when `patience` batches of
-    other keys have run since that job came, so no shape starves behind busier ones.
-    And when for `quiet` seconds the devices have been idle and no job has come, the
-    oldest partial batch runs at once: waiting would only delay it, since while the
+    """Jobs waiting in their bundle, by shape key, so batches run full even when shapes
+    interleave on the queue. A key's bundle runs when it holds `batch_size` jobs, when its
+    first job has waited `max_wait` seconds of the worker's free time (time spent waiting
+    for the devices does not count: no message can arrive then), or when `patience`
+    bundles of other keys have run since that job came, so no shape starves behind busier
+    ones. And when for `quiet` seconds the devices have been idle and no job has come, the
+    oldest partial bundle runs at once: waiting would only delay it, since while the
     devices are busy the next jobs gather anyway (a lone job is rendered without
     `max_wait`). Both clocks count, because a consumer starved by a rendering batch
     receives nothing until the devices are done, though the queue may hold plenty."""
@@ -47,15 +48,15 @@ class Gatherer:
                  quiet: float = QUEUE_QUIET) -> None:
         self.processor, self.batch_size, self.max_wait, self.patience = processor, batch_size, max_wait, patience
         self.quiet, self.last_arrival = quiet, time.monotonic()
-        self.buffers: dict[ShapeKey, JobBatch] = {}
+        self.buffers: dict[ShapeKey, Bundle] = {}
         self.deadlines: dict[ShapeKey, float] = {}
-        self.since: dict[ShapeKey, int] = {}  # batches run when the key's first job came
+        self.since: dict[ShapeKey, int] = {}  # bundles run when the key's first job came
         self.ran = 0
 
     def add(self, job: Job) -> None:
         self.last_arrival = time.monotonic()
         if job.key not in self.buffers:
-            self.buffers[job.key], self.since[job.key] = JobBatch(job.key, self.processor.hooks), self.ran
+            self.buffers[job.key], self.since[job.key] = Bundle(job.key, self.processor.hooks), self.ran
             self.deadlines[job.key] = time.monotonic() + self.max_wait
         self.buffers[job.key].add(job)
         if len(self.buffers[job.key].jobs) >= self.batch_size:
@@ -70,15 +71,15 @@ class Gatherer:
             self.flush(min(self.deadlines, key=self.deadlines.__getitem__))
 
     def flush(self, key: ShapeKey) -> None:
-        batch = self.buffers.pop(key)
+        bundle = self.buffers.pop(key)
         del self.deadlines[key], self.since[key]
         self.ran += 1
         started = time.monotonic()
         try:
-            self.processor.process(batch)
+            self.processor.process(bundle)
         except Exception as err:  # noqa: BLE001 - the worker must keep serving; jobs go back
-            log.exception("batch of %d failed outside any job; requeued", len(batch.jobs))
-            for job in batch.release_all():
+            log.exception("batch of %d failed outside any job; requeued", len(bundle.jobs))
+            for job in bundle.release_all():
                 self.processor.outcomes.retry(job, f"worker: {err!r}", counts=False)
         blocked = time.monotonic() - started
         for other in self.deadlines:
@@ -87,16 +88,16 @@ class Gatherer:
             if other in self.buffers:
                 self.flush(other)
 
-    def take_all(self) -> list[JobBatch]:
-        """Every waiting batch, taken away (the worker is stopping)."""
-        batches = list(self.buffers.values())
+    def take_all(self) -> list[Bundle]:
+        """Every waiting bundle, taken away (the worker is stopping)."""
+        bundles = list(self.buffers.values())
         self.buffers.clear()
         self.deadlines.clear()
         self.since.clear()
-        return batches
+        return bundles
 
 
-class Batcher:
+class RenderStrategy:
     """The Celery strategy of the render task: each request becomes a Job in a Gatherer."""
 
     def __init__(self, processor: Processor, batch_size: int, max_wait: float, patience: int = 4) -> None:
@@ -141,9 +142,9 @@ class Batcher:
         return handler
 
 
-def render_task(batcher: Batcher) -> Task:
+def render_task(strategy: RenderStrategy) -> Task:
     class RenderTask(Task):
-        """One job per message; the worker renders them in batches (see Batcher)."""
+        """One job per message; the worker renders them in batches (see RenderStrategy)."""
 
         name = TASK_NAME
         acks_late = True
@@ -153,6 +154,6 @@ def render_task(batcher: Batcher) -> Task:
             raise RuntimeError("render jobs run in batches inside `renderfarm worker`")
 
         def Strategy(self, task: Task, app: Celery, consumer: Any) -> Callable[..., None]:  # noqa: N802
-            return batcher(task, app, consumer)
+            return strategy(task, app, consumer)
 
     return RenderTask()

@@ -13,7 +13,7 @@ from renderfarm.gallery import refresh as refresh_gallery
 from renderfarm.jobs import JobSpec
 from renderfarm.storage import Storage
 from worker.engine import Engine
-from worker.output import BatchWriter
+from worker.output import ResultWriter
 
 
 @dataclasses.dataclass
@@ -40,10 +40,10 @@ def render_to_storage(specs: Sequence[JobSpec], engine: Engine, storage: Storage
     plan = engine.prepare(specs)
     start = time.perf_counter()
     with tqdm(total=len(specs), unit="img", disable=not progress, file=sys.stderr) as bar, \
-            BatchWriter(storage, engine.model, engine.devices, threads=store_threads,
-                        on_stored=lambda r: bar.update(len(r))) as writer:
-        for batch in engine.iter_render(specs, plan):
-            writer.submit(batch)
+            ResultWriter(storage, engine.model, engine.devices, threads=store_threads,
+                         on_stored=lambda r: bar.update(len(r))) as writer:
+        for results in engine.iter_render(specs, plan):
+            writer.submit(results)
     render_seconds = time.perf_counter() - start
     campaigns = sorted({s.campaign for s in specs})
     for campaign in campaigns:

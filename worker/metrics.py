@@ -1,8 +1,8 @@
 """Prometheus metrics of one worker process (`renderfarm worker --metrics-port P`).
 
 Each worker has a registry of its own (several workers on one host each serve their own port),
-updated on a batch's state changes (worker.hooks.MetricsHook): admitted (queue wait), batch
-rendered (render seconds, fill, FLOP/s), batch stored (images and device-seconds per campaign,
+updated on a bundle's state changes (worker.hooks.MetricsHook): admitted (queue wait), each
+batch rendered (render seconds, fill, FLOP/s), bundle stored (images and device-seconds per campaign,
 store seconds), compiled; and as a job's life ends (worker.outcomes.Outcomes): failed (by reason). infra/grafana/renderfarm.json is a dashboard of them.
 """
 

@@ -18,7 +18,7 @@ from kombu.utils.json import dumps
 from renderfarm import deadletters
 from renderfarm.jobs import JobSpec
 from renderfarm.progress import Progress
-from worker.batches import Job
+from worker.bundles import Job
 from worker.metrics import WorkerMetrics
 
 log = logging.getLogger("renderfarm.worker")

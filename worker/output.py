@@ -141,8 +141,8 @@ OnFailed = Callable[[Rendered, Exception], None]
 
 @dataclasses.dataclass
 class _Storing:
-    """A batch on the store threads: its manifest part per campaign, its futures, and whom
-    to tell how it went."""
+    """A submission on the store threads: its manifest part per campaign, its futures, and
+    whom to tell how it went."""
 
     parts: dict[str, str]
     futures: list[Future[list[Stored]]]
@@ -150,15 +150,16 @@ class _Storing:
     on_failed: OnFailed | None
 
 
-class BatchWriter:
-    """Encodes and stores finished batches on a thread pool while the devices render the
-    next ones (PNG encoding and uploads release the GIL). At most `max_pending` batches
-    wait, so memory stays bounded; `submit` blocks beyond that. Per batch, in batch order,
-    once all of its jobs are through: manifest lines for the stored ones, then
-    `on_stored(records)`, then `on_failed(result, error)` for each job that could not be
-    stored or whose manifest line could not be written (by default the error is raised):
-    the writer's, or the ones `submit` was given for that batch. Every job submitted
-    reaches exactly one of the two, unless its batch is abandoned."""
+class ResultWriter:
+    """Encodes and stores rendered results on a thread pool while the devices render the
+    next ones (PNG encoding and uploads release the GIL). Each `submit` hands it the results
+    of one batch (`renderfarm render`) or of one bundle (the farm worker: worker.bundles). At
+    most `max_pending` submissions wait, so memory stays bounded; `submit` blocks beyond that.
+    Per submission, in submission order, once all of its jobs are through: manifest lines
+    for the stored ones, then `on_stored(records)`, then `on_failed(result, error)` for each
+    job that could not be stored or whose manifest line could not be written (by default the
+    error is raised): the writer's, or the ones `submit` was given with it. Every job
+    submitted reaches exactly one of the two, unless its submission is abandoned."""
 
     def __init__(self, storage: Storage, model: LoadedModel, devices: list[jax.Device],
                  threads: int | None = None, max_pending: int = 2,
@@ -169,18 +170,18 @@ class BatchWriter:
         self.storage, self.model, self.devices, self.threads = storage, model, devices, threads
         self.max_pending, self.on_stored, self.on_failed = max_pending, on_stored, on_failed
         self.manifest = open_manifest(storage)
-        self.stopping = threading.Event()  # set: `submit` no longer waits for old batches
+        self.stopping = threading.Event()  # set: `submit` no longer waits for old submissions
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="store")
         self._pending: collections.deque[_Storing] = collections.deque()
 
-    def submit(self, batch: list[Rendered], on_stored: OnStored | None = None,
+    def submit(self, results: list[Rendered], on_stored: OnStored | None = None,
                on_failed: OnFailed | None = None) -> None:
-        """Store `batch` on the store threads; `on_stored` and `on_failed`, if given, are
-        told how it went instead of the writer's (the worker's batch that owns those jobs)."""
-        parts = {campaign: self.manifest.new_part(campaign) for campaign in {r.spec.campaign for r in batch}}
+        """Store `results` on the store threads; `on_stored` and `on_failed`, if given, are
+        told how it went instead of the writer's (the worker's bundle that owns those jobs)."""
+        parts = {campaign: self.manifest.new_part(campaign) for campaign in {r.spec.campaign for r in results}}
         # One task per thread, not per job: a future costs the consumer's thread more than
         # a small image costs to store.
-        chunks = [batch[i::self.threads] for i in range(min(self.threads, len(batch)))]
+        chunks = [results[i::self.threads] for i in range(min(self.threads, len(results)))]
         futures = [self._pool.submit(self._store, chunk, parts) for chunk in chunks]
         self._pending.append(_Storing(parts, futures, on_stored or self.on_stored, on_failed or self.on_failed))
         while len(self._pending) > self.max_pending and not self.stopping.is_set():
@@ -198,17 +199,17 @@ class BatchWriter:
         return done
 
     def poll(self) -> None:
-        """Finish the batches, oldest first, that are stored already; never blocks on one."""
+        """Finish the submissions, oldest first, that are stored already; never blocks on one."""
         while self._pending and all(f.done() for f in self._pending[0].futures):
             self._finish_oldest()
 
     def finish(self, until: float) -> None:
-        """Finish the batches, oldest first, that are stored before `until` (monotonic)."""
+        """Finish the submissions, oldest first, that are stored before `until` (monotonic)."""
         while self._pending and self._finish_oldest(wait=max(0.0, until - time.monotonic())):
             pass
 
     def abandon(self) -> None:
-        """Give up the batches not finished yet (their jobs are to be tried again elsewhere):
+        """Give up the submissions not finished yet (their jobs are to be tried again elsewhere):
         neither callback hears of them. A store already running completes; its job is not
         reported as stored."""
         for storing in self._pending:
@@ -217,7 +218,7 @@ class BatchWriter:
         self._pending.clear()
 
     def _finish_oldest(self, wait: float | None = None) -> bool:
-        """Finish the oldest batch once it is stored (waiting at most `wait` seconds, if
+        """Finish the oldest submission once it is stored (waiting at most `wait` seconds, if
         given); False if it was not stored in time."""
         oldest = self._pending[0]
         parts, futures = oldest.parts, oldest.futures
@@ -225,7 +226,7 @@ class BatchWriter:
             return False
         self._pending.popleft()
         done = sorted((pair for future in futures for pair in future.result()),
-                      key=lambda pair: pair[0].index)  # batch order
+                      key=lambda pair: pair[0].index)  # submission order
         stored = [(result, outcome) for result, outcome in done if not isinstance(outcome, Exception)]
         failures = [(result, outcome) for result, outcome in done if isinstance(outcome, Exception)]
         by_campaign: dict[str, list[tuple[str, str]]] = {}
@@ -245,7 +246,7 @@ class BatchWriter:
         return True
 
     def flush(self) -> None:
-        """Wait for every submitted batch to be stored."""
+        """Wait for every submission to be stored."""
         while self._pending:
             self._finish_oldest()
 
@@ -255,7 +256,7 @@ class BatchWriter:
         finally:
             self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def __enter__(self) -> BatchWriter:
+    def __enter__(self) -> ResultWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:

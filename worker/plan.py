@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from diffusion.targets import Target
     from worker.engine import Engine, ShapeKey
 
+JOB_KINDS = ("text", "img2img", "inpaint")  # --job: what a program renders
 UTILISATION = 0.5  # the share of the peak a worker should reach (docs/performance.md, "What a model costs per image on a chip")
 ERROR_LINES = 6  # of a compiler's error kept in the report
 log = logging.getLogger(__name__)
@@ -159,16 +160,16 @@ class Plan:
 def make_plan(ref: str, target_name: str, size: tuple[int, int] | None = None, steps: int = 25,
               guidance: tuple[float, ...] | None = None, scheduler: str | None = None, dtype: str = "bfloat16",
               per_device_batch: int = 1, model_parallel: int | None = None,
-              memory_per_chip: int | None = None) -> Plan:
+              memory_per_chip: int | None = None, job: str = "text") -> Plan:
     """Compile `ref`'s programs for target `target_name` at one job shape, a program per
     guidance scale given (on or off; None: the family's default), and say what each needs per
-    chip. `model_parallel` None takes the split `auto` chooses; `memory_per_chip` replaces the
+    chip; `job` is one of JOB_KINDS (text to image, image to image, inpainting). `model_parallel` None takes the split `auto` chooses; `memory_per_chip` replaces the
     target's memory."""
     from diffusion.architectures import abstract_model
     from diffusion.sharding import choose_model_parallel
     from diffusion.targets import target, target_devices
     from renderfarm.jobs import parse_job
-    from worker.engine import ShapeKey
+    from worker.engine import shape_key
 
     chosen = target(target_name)
     if per_device_batch < 1:
@@ -189,15 +190,19 @@ def make_plan(ref: str, target_name: str, size: tuple[int, int] | None = None, s
     if split is None:
         raise JobError("model", ref, f"{auto_error}: nothing to compile for {chosen.name}")
     width, height = size or (model.native_size, model.native_size)
-    # the job contract's rules (sizes, steps, guidance, scheduler), as a job of this shape meets them
+    # the job contract's rules (sizes, steps, guidance, scheduler, image jobs), as a job of this
+    # shape meets them; an image job's images are placeholders (a program's shapes are the job's)
+    images = {"text": {}, "img2img": {"init_image": "-", "strength": 1.0},
+              "inpaint": {"init_image": "-", "mask_image": "-"}}[job]
     specs = [parse_job({"prompt": "-", "model": ref, "seed": 0, "width": width, "height": height, "steps": steps,
-                        "guidance_scale": scale, "scheduler": scheduler or model.default_scheduler, "dtype": dtype},
+                        "guidance_scale": scale, "scheduler": scheduler, "dtype": dtype, **images},
                        size_step=model.size_step) for scale in guidance or (model.family.default_guidance,)]
-    if specs[0].scheduler not in model.family.schedulers:
-        raise JobError("scheduler", specs[0].scheduler, f"a {model.family.name} model runs "
-                                                        f"{', '.join(model.family.schedulers)}")
-    keys = dict.fromkeys(ShapeKey(width, height, steps, spec.scheduler,
-                                  guided=model.family.classifier_free and spec.guidance_scale > 1) for spec in specs)
+    try:
+        keys = dict.fromkeys(shape_key(model, spec) for spec in specs)
+    except JobError as err:
+        if err.field in images:  # a placeholder's: the model does not render this kind of job
+            raise JobError("job", job, err.rule) from None
+        raise
     programs = [_program(model, chosen, devices, split, per_device_batch, key) for key in keys]
     return Plan(model=ref, family=model.family.name, dtype=dtype, target=chosen.name, target_label=chosen.label,
                 devices=len(devices), memory_per_chip=chosen.memory, usable_per_chip=usable,
@@ -222,9 +227,11 @@ def _program(model: LoadedModel, chosen: Target, devices: list[Any], split: int,
     plan = ProgramPlan(shape=str(key), guided=guided, per_device_batch=per_device_batch, batch=batch,
                        model_parallel=split, compiled=False)
     params = placement.abstract(model.family, model.params)
-    inputs = model.abstract_inputs(batch, placement.batch)
+    image = (height, width) if key.image else None
+    inputs = model.abstract_inputs(batch, placement.batch, image, key.mask)
     started = time.perf_counter()
-    scheduler, static = make(key.scheduler, model.configs["scheduler"]), Static(height, width, steps, guided)
+    scheduler = make(key.scheduler, model.configs["scheduler"])
+    static = Static(height, width, steps, guided, key.image, key.mask)
     with recording() as calls:
         lowered = lower_generate(model.family, model.networks, scheduler, static, placement, params, inputs)
     plan.lower_seconds = time.perf_counter() - started
@@ -265,7 +272,7 @@ def _program(model: LoadedModel, chosen: Target, devices: list[Any], split: int,
         cpu = make_placement(jax.devices("cpu")[:1], 1)
         counted = program_flops(lower_generate(model.family, model.networks, scheduler, static, cpu,
                                                cpu.abstract(model.family, model.params),
-                                               model.abstract_inputs(batch, cpu.batch)))
+                                               model.abstract_inputs(batch, cpu.batch, image, key.mask)))
     total = denoise_flops(counted, denoiser, steps)
     if total is not None:
         plan.flops_per_image = total / batch
@@ -338,7 +345,7 @@ def format_plan(plan: Plan) -> str:
 def cmd_plan(args: argparse.Namespace) -> int:
     plan = make_plan(args.model, args.target, args.size, args.steps, args.guidance and tuple(args.guidance),
                      args.scheduler, args.dtype, args.per_device_batch, args.model_parallel,
-                     None if args.memory_per_chip is None else int(args.memory_per_chip * 1e9))
+                     None if args.memory_per_chip is None else int(args.memory_per_chip * 1e9), args.job)
     print(json.dumps({**dataclasses.asdict(plan), "ok": plan.ok}, indent=2) if args.json else format_plan(plan))
     return 0 if plan.ok else 1
 
@@ -374,6 +381,9 @@ def register(sub: argparse._SubParsersAction, model_parallel: Callable[[str], in
                       help="guidance scales: a program each for guidance on (> 1) and off (default: the family's "
                            "own, 7.5 for SD, 3.5 for Flux)")
     plan.add_argument("--scheduler", help="the job's scheduler (default: the model's own)")
+    plan.add_argument("--job", choices=JOB_KINDS, default="text",
+                      help="the jobs' kind: text to image, image to image or inpainting (default text); an image "
+                           "job's program runs every step, as a strength-1 job does")
     plan.add_argument("--dtype", default="bfloat16", help="float32 or bfloat16 (default bfloat16)")
     plan.add_argument("--per-device-batch", type=int, default=1, metavar="N",
                       help="jobs per copy of the weights in the compiled batch (default 1)")

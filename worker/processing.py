@@ -1,7 +1,7 @@
-"""A job's life between its batch being gathered and its outcome: admitted (cancelled campaigns
+"""A job's life between its bundle being gathered and its outcome: admitted (cancelled campaigns
 skipped, attempts counted, a job stored already not redone), its sources read, rendered on the
 devices (a new shape compiled off the consumer's thread), stored on the writer's threads, then
-handed to worker.outcomes. Each batch's state (worker.batches) says which step it is at."""
+handed to worker.outcomes. Each bundle's state (worker.bundles) says which step it is at."""
 
 from __future__ import annotations
 
@@ -22,11 +22,11 @@ from renderfarm.layout import MANIFEST_BASENAME, sidecar_name
 from renderfarm.progress import Progress
 from renderfarm.settings import Settings
 from renderfarm.storage import Storage
-from worker.batches import BatchHook, Job, JobBatch, State
+from worker.bundles import Bundle, BundleHook, Job, State
 from worker.engine import Engine, Rendered, ShapeKey
 from worker.metrics import WorkerMetrics
 from worker.outcomes import BROKER_ERRORS, Outcomes
-from worker.output import BatchWriter
+from worker.output import ResultWriter
 
 log = logging.getLogger("renderfarm.worker")
 
@@ -37,28 +37,28 @@ WAIT_SLICE = 0.005
 
 class Processor:
     """One job's life from delivery to acknowledgement (see the module docstring), across
-    reconnections: the Gatherer of the current connection hands it batches (worker.batches),
+    reconnections: the Gatherer of the current connection hands it bundles (worker.bundles),
     and it moves each on through its states; `hooks` do the rest of what a state change means."""
 
     def __init__(self, engine: Engine, storage: Storage, progress: Progress, app: Celery,
-                 settings: Settings, store_threads: int | None = None, hooks: Sequence[BatchHook] = (),
+                 settings: Settings, store_threads: int | None = None, hooks: Sequence[BundleHook] = (),
                  metrics: WorkerMetrics | None = None) -> None:
         self.engine, self.storage, self.progress, self.hooks = engine, storage, progress, hooks
         self.outcomes = Outcomes(app, progress, settings.max_attempts, metrics)
-        self.writer = BatchWriter(storage, engine.model, engine.devices, threads=store_threads)
-        # Takes the GATHERED batches away from the current connection's gatherer (worker.intake).
-        self.take_waiting: Callable[[], list[JobBatch]] = lambda: []
-        self._batches: list[JobBatch] = []  # the batches handed over by a gatherer and not settled
+        self.writer = ResultWriter(storage, engine.model, engine.devices, threads=store_threads)
+        # Takes the GATHERED bundles away from the current connection's gatherer (worker.intake).
+        self.take_waiting: Callable[[], list[Bundle]] = lambda: []
+        self._bundles: list[Bundle] = []  # the bundles handed over by a gatherer and not settled
         self._idle_since = time.monotonic()
-        # New shapes compile on their own thread; their batches wait COMPILING meanwhile.
+        # New shapes compile on their own thread; their bundles wait COMPILING meanwhile.
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="compile")
         self._compiling: dict[ShapeKey, Future[Any]] = {}
         self.drained = False  # set once a warm shutdown has settled every job it held
 
-    def _held(self, *states: State) -> list[JobBatch]:
-        """The batches past gathering that hold jobs still, oldest first (in `states`, if given)."""
-        self._batches = [batch for batch in self._batches if batch.state is not State.SETTLED]
-        return [batch for batch in self._batches if not states or batch.state in states]
+    def _held(self, *states: State) -> list[Bundle]:
+        """The bundles past gathering that hold jobs still, oldest first (in `states`, if given)."""
+        self._bundles = [bundle for bundle in self._bundles if bundle.state is not State.SETTLED]
+        return [bundle for bundle in self._bundles if not states or bundle.state in states]
 
     # -- receive ---------------------------------------------------------------------
 
@@ -71,7 +71,7 @@ class Processor:
                 raise JobError("args", request.args, "a job has keyword fields only")
             spec = parse_job(request.kwargs, size_step=self.engine.model.size_step)
             key = self.engine.check(spec)
-            self.engine.prefetch([spec], key)  # its init image is read while it waits for its batch
+            self.engine.prefetch([spec], key)  # its init image is read while its bundle gathers
             return Job(request, spec, key)
         except JobError as err:
             reason = f"invalid job: {err}"
@@ -83,44 +83,44 @@ class Processor:
 
     # -- admit -----------------------------------------------------------------------
 
-    def process(self, batch: JobBatch) -> None:
-        """Admit a gathered batch and start it on the devices, once its program is compiled."""
-        self._admit(batch)
-        if batch.state is State.SETTLED:
+    def process(self, bundle: Bundle) -> None:
+        """Admit a gathered bundle and start it on the devices, once its program is compiled."""
+        self._admit(bundle)
+        if bundle.state is State.SETTLED:
             return
-        self._batches.append(batch)
-        if self.engine.ready(batch.key):
-            self._start(batch)
+        self._bundles.append(bundle)
+        if self.engine.ready(bundle.key):
+            self._start(bundle)
             return
-        batch.compiling()
-        if batch.key not in self._compiling:
-            log.info("%s: compiling a new program (batches of it wait meanwhile)", batch.key)
-            self._compiling[batch.key] = self._compiler.submit(self.engine.compiled, batch.key)
+        bundle.compiling()
+        if bundle.key not in self._compiling:
+            log.info("%s: compiling a new program (batches of it wait meanwhile)", bundle.key)
+            self._compiling[bundle.key] = self._compiler.submit(self.engine.compiled, bundle.key)
 
-    def _admit(self, batch: JobBatch) -> None:
+    def _admit(self, bundle: Bundle) -> None:
         """Skip cancelled campaigns' jobs; count attempts; a job whose sidecar is stored
         already (its worker died before the ack) is not rendered again."""
         try:
-            cancelled = self.progress.cancelled_among({job.campaign for job in batch.jobs})
-            attempts = self.progress.started(job.ident for job in batch.jobs if job.campaign not in cancelled)
+            cancelled = self.progress.cancelled_among({job.campaign for job in bundle.jobs})
+            attempts = self.progress.started(job.ident for job in bundle.jobs if job.campaign not in cancelled)
         except BROKER_ERRORS as err:
-            for job in batch.release_all():
+            for job in bundle.release_all():
                 self.outcomes.retry(job, f"broker: {err}", counts=False)
             return
         counted = iter(attempts)
-        for job in list(batch.jobs):
+        for job in list(bundle.jobs):
             if job.campaign in cancelled:
-                self.outcomes.skipped(batch.release(job))
+                self.outcomes.skipped(bundle.release(job))
                 continue
             job.attempt = next(counted)
             if job.attempt > 1:  # its last worker may have stored it and died before the ack
                 try:
                     record = self._stored_sidecar(job)
                 except Exception as err:  # noqa: BLE001 - storage away: try again later
-                    self.outcomes.retry(batch.release(job), f"storage: {err!r}", counts=False)
+                    self.outcomes.retry(bundle.release(job), f"storage: {err!r}", counts=False)
                     continue
                 if record is not None:
-                    self.outcomes.succeeded([(batch.release(job), self._result(job, record, already_stored=True))])
+                    self.outcomes.succeeded([(bundle.release(job), self._result(job, record, already_stored=True))])
                     continue
             task_accepted(job.request)
             job.request.send_event("task-started")
@@ -147,75 +147,75 @@ class Processor:
 
     # -- render ----------------------------------------------------------------------
 
-    def _start(self, batch: JobBatch) -> None:
-        """Start the batch on the devices and hand the one before, now rendered, to the
-        writer: the devices work while the consumer gathers the next batch. A job whose init
+    def _start(self, bundle: Bundle) -> None:
+        """Start the bundle on the devices and hand the one before, now rendered, to the
+        writer: the devices work while the consumer gathers the next bundle. A job whose init
         image cannot be read is taken out first; the rest render."""
-        self._unreadable(batch)
-        if batch.state is State.SETTLED:
+        self._unreadable(bundle)
+        if bundle.state is State.SETTLED:
             return
         before = self._held(State.RENDERING)
         try:
-            started = self.engine.start([job.spec for job in batch.jobs], batch.key, list(range(len(batch.jobs))))
+            started = self.engine.start([job.spec for job in bundle.jobs], bundle.key, list(range(len(bundle.jobs))))
         except Exception:  # noqa: BLE001 - a poison job must not fail the others
-            self._one_by_one(batch)
+            self._one_by_one(bundle)
             return
-        batch.rendering(started)
+        bundle.rendering(started)
         for earlier in before:
             self._collect(earlier)
 
-    def _unreadable(self, batch: JobBatch) -> None:
+    def _unreadable(self, bundle: Bundle) -> None:
         """Image jobs whose source is not their image (missing, not an image, changed) fail for
         good, dead-lettered with the reason; those whose storage is away go back on the queue."""
-        jobs = list(batch.jobs)
-        for n, error in self.engine.init_images.unreadable([job.spec for job in jobs], batch.key.width,
-                                                           batch.key.height).items():
-            job = batch.release(jobs[n])
+        jobs = list(bundle.jobs)
+        for n, error in self.engine.init_images.unreadable([job.spec for job in jobs], bundle.key.width,
+                                                           bundle.key.height).items():
+            job = bundle.release(jobs[n])
             if isinstance(error, JobError):
                 queue = job.request.delivery_info.get("routing_key") or "?"
                 self.outcomes.invalid(job.request, f"invalid job: {error}", queue, job.spec)
             else:
                 self.outcomes.retry(job, f"storage: {type(error).__name__}: {error}", counts=False)
 
-    def _collect(self, batch: JobBatch) -> None:
-        """Wait for a batch on the devices, then hand it to the writer. The wait gives up
+    def _collect(self, bundle: Bundle) -> None:
+        """Wait for a bundle's batch on the devices, then hand it to the writer. The wait gives up
         once the worker is stopping: the main thread must get back to Celery's loop for
-        the drain to start, and the drain takes the batch from there."""
+        the drain to start, and the drain takes the bundle from there."""
         self._idle_since = time.monotonic()
-        while not batch.inflight.ready():
+        while not bundle.inflight.ready():
             if self.writer.stopping.wait(WAIT_SLICE):
                 return
         try:
-            rendered = self.engine.collect(batch.inflight)
+            rendered = self.engine.collect(bundle.inflight)
         except Exception:  # noqa: BLE001
-            self._one_by_one(batch)
+            self._one_by_one(bundle)
             return
-        self._store(batch, rendered)
+        self._store(bundle, rendered)
 
-    def _one_by_one(self, batch: JobBatch) -> None:
-        log.warning("batch of %d raised; rendering its jobs one by one", len(batch.jobs), exc_info=True)
-        batch.rendering(None)
+    def _one_by_one(self, bundle: Bundle) -> None:
+        log.warning("batch of %d raised; rendering its jobs one by one", len(bundle.jobs), exc_info=True)
+        bundle.rendering(None)
         rendered = []
-        for job in list(batch.jobs):
+        for job in list(bundle.jobs):
             try:
                 rendered += self.engine.render([job.spec])
             except Exception as err:  # noqa: BLE001
-                self.outcomes.retry(batch.release(job), f"render: {type(err).__name__}: {err}")
-        if batch.state is State.RENDERING:
-            self._store(batch, rendered)
+                self.outcomes.retry(bundle.release(job), f"render: {type(err).__name__}: {err}")
+        if bundle.state is State.RENDERING:
+            self._store(bundle, rendered)
 
     # -- store -----------------------------------------------------------------------
 
-    def _store(self, batch: JobBatch, rendered: list[Rendered]) -> None:
-        batch.storing(rendered)
-        self.writer.submit(rendered, functools.partial(self._stored, batch),  # stored and acked while
-                           functools.partial(self._store_failed, batch))     # the next batch renders
+    def _store(self, bundle: Bundle, rendered: list[Rendered]) -> None:
+        bundle.storing(rendered)
+        self.writer.submit(rendered, functools.partial(self._stored, bundle),  # stored and acked while
+                           functools.partial(self._store_failed, bundle))     # the next bundle renders
 
-    def _stored(self, batch: JobBatch, records: list[dict[str, Any]]) -> None:
-        self.outcomes.succeeded([(job, self._result(job, record)) for job, record in batch.stored(records)])
+    def _stored(self, bundle: Bundle, records: list[dict[str, Any]]) -> None:
+        self.outcomes.succeeded([(job, self._result(job, record)) for job, record in bundle.stored(records)])
 
-    def _store_failed(self, batch: JobBatch, result: Rendered, error: Exception) -> None:
-        job = batch.unstored(result)
+    def _store_failed(self, bundle: Bundle, result: Rendered, error: Exception) -> None:
+        job = bundle.unstored(result)
         if job is not None:
             self.outcomes.retry(job, f"storage: {error!r}", counts=False)  # not the job's fault
 
@@ -226,21 +226,21 @@ class Processor:
         return 0.0 if self._held(State.RENDERING) else time.monotonic() - self._idle_since
 
     def poll(self) -> None:
-        """Start batches whose program is now compiled, collect a finished batch, and
+        """Start bundles whose program is now compiled, collect a finished batch, and
         settle what has been stored."""
         for key in [key for key, future in self._compiling.items() if future.done()]:
             error = self._compiling.pop(key).exception()
-            for batch in self._held(State.COMPILING):
-                if batch.key != key:
+            for bundle in self._held(State.COMPILING):
+                if bundle.key != key:
                     continue
                 if error is None:
-                    self._start(batch)
+                    self._start(bundle)
                 else:
-                    for job in batch.release_all():
+                    for job in bundle.release_all():
                         self.outcomes.failed(job, f"compile: {error}")
-        for batch in self._held(State.RENDERING):
-            if batch.inflight is not None and batch.inflight.ready():
-                self._collect(batch)
+        for bundle in self._held(State.RENDERING):
+            if bundle.inflight is not None and bundle.inflight.ready():
+                self._collect(bundle)
         self.writer.poll()
         busy = bool(self._held(State.RENDERING, State.STORING))
         for hook in self.hooks:
@@ -252,20 +252,20 @@ class Processor:
         """Warm shutdown (SIGTERM; a spot VM's notice): store what can be stored by `until`
         (monotonic); `give_back` then puts every other job back on its queue."""
         self.writer.stopping.set()
-        for batch in self._held(State.RENDERING):
-            while not batch.inflight.ready() and time.monotonic() < until:
+        for bundle in self._held(State.RENDERING):
+            while not bundle.inflight.ready() and time.monotonic() < until:
                 time.sleep(0.05)
-            if batch.inflight.ready():
-                self._collect(batch)
+            if bundle.inflight.ready():
+                self._collect(bundle)
         self.writer.finish(until=until)
 
     def give_back(self) -> None:
         """Put every job still held back on its queue now, not after the visibility timeout
-        (a batch still on the devices included: its results are dropped); an unfinished
+        (a bundle still on the devices included: its results are dropped); an unfinished
         attempt does not count."""
         self.writer.abandon()  # what is still storing goes back on the queue with the rest
-        batches = self.take_waiting() + self._held()
-        waiting = [job for batch in batches for job in batch.release_all()]
+        bundles = self.take_waiting() + self._held()
+        waiting = [job for bundle in bundles for job in bundle.release_all()]
         self.outcomes.put_back(waiting, "the worker is stopping")
         self.drained = True
         log.info("drained: %d jobs put back on the queue", len(waiting))

@@ -1,19 +1,20 @@
-"""One batch's life as one object: the jobs it holds and the state it is in.
+"""One bundle's life as one object: the jobs the worker gathered for one batch, and the state
+they are in.
 
     GATHERED ──> COMPILING ──> RENDERING ──> STORING ──> SETTLED
         │                          ^
         └──────────────────────────┘  its program compiled already
     and from any state to SETTLED once it holds no job.
 
-A job belongs to exactly one batch from the moment it is gathered until its outcome is
+A job belongs to exactly one bundle from the moment it is gathered until its outcome is
 recorded (acknowledged or put back on the queue): whoever records it takes it out of its
-batch first (`release`, `stored`, `unstored`, `release_all`), and a batch that holds no
-job any more is SETTLED. So a warm shutdown asks the batches what they still hold, and a
-stored result finds its job in its own batch.
+bundle first (`release`, `stored`, `unstored`, `release_all`), and a bundle that holds no
+job any more is SETTLED. So a warm shutdown asks the bundles what they still hold, and a
+stored result finds its job in its own bundle.
 
 What else happens on a state change (metrics, the fleet's hash, galleries, the rate log)
-is a `BatchHook`, one concern each (worker/hooks.py); the worker's Processor only drives
-the batches.
+is a `BundleHook`, one concern each (worker/hooks.py); the worker's Processor only drives
+the bundles.
 """
 
 from __future__ import annotations
@@ -55,9 +56,9 @@ class Job:
 
 
 class State(enum.Enum):
-    GATHERED = "gathered"  # waiting in the gatherer for its batch to fill (or to be due)
+    GATHERED = "gathered"  # waiting in the gatherer for its bundle to fill (or to be due)
     COMPILING = "compiling"  # admitted; its shape's program compiles on the compile thread
-    RENDERING = "rendering"  # on the devices (or its jobs one by one, after the batch raised)
+    RENDERING = "rendering"  # on the devices (or its jobs one by one, after its batch raised)
     STORING = "storing"  # rendered; on the writer's store threads
     SETTLED = "settled"  # it holds no job: each went on to be acknowledged or put back on the queue
 
@@ -71,27 +72,28 @@ NEXT: dict[State, frozenset[State]] = {
 }
 
 
-class BatchHook:
-    """Something to do when a batch changes state, besides its jobs' own outcomes. Override
-    the events you need; a hook that raises is logged and never fails the batch's jobs."""
+class BundleHook:
+    """Something to do when a bundle changes state, besides its jobs' own outcomes. Override
+    the events you need; a hook that raises is logged and never fails the bundle's jobs."""
 
-    def admitted(self, batch: JobBatch) -> None:
-        """It left GATHERED for the devices (COMPILING or RENDERING): `batch.jobs` were admitted."""
+    def admitted(self, bundle: Bundle) -> None:
+        """It left GATHERED for the devices (COMPILING or RENDERING): `bundle.jobs` were admitted."""
 
-    def rendered(self, batch: JobBatch) -> None:
-        """It entered STORING: `batch.rendered` holds its images."""
+    def rendered(self, bundle: Bundle) -> None:
+        """It entered STORING: `bundle.rendered` holds its images."""
 
-    def settled(self, batch: JobBatch) -> None:
-        """It entered SETTLED: `batch.records` holds the sidecars of the jobs it stored, if any."""
+    def settled(self, bundle: Bundle) -> None:
+        """It entered SETTLED: `bundle.records` holds the sidecars of the jobs it stored, if any."""
 
     def polled(self, busy: bool) -> None:
-        """The consumer's timer: `busy` while a batch is rendering or storing."""
+        """The consumer's timer: `busy` while a bundle is rendering or storing."""
 
 
-class JobBatch:
-    """The jobs of one batch (one shape key), from gathering to settling."""
+class Bundle:
+    """The jobs the worker gathered for one batch (one shape key), from gathering to settling:
+    rendered as that batch, or one by one (each its own batch) after it raised."""
 
-    def __init__(self, key: ShapeKey, hooks: Sequence[BatchHook] = ()) -> None:
+    def __init__(self, key: ShapeKey, hooks: Sequence[BundleHook] = ()) -> None:
         self.key, self.hooks = key, hooks
         self.jobs: list[Job] = []  # the jobs it holds: neither acknowledged nor put back yet
         self.state = State.GATHERED
@@ -101,11 +103,11 @@ class JobBatch:
         self.records: list[dict[str, Any]] = []  # the sidecars of its jobs stored so far
 
     def __repr__(self) -> str:
-        return f"<JobBatch {self.key} {self.state.value}: {len(self.jobs)} jobs>"
+        return f"<Bundle {self.key} {self.state.value}: {len(self.jobs)} jobs>"
 
     @property
-    def device_batches(self) -> list[Batch]:
-        """The device batches its images came from: one, or one per job rendered one by one."""
+    def batches(self) -> list[Batch]:
+        """The batches its images came from: one, or one per job rendered one by one."""
         return list({result.batch.seq: result.batch for result in self.rendered}.values())
 
     # -- moving on -------------------------------------------------------------------------
@@ -120,7 +122,7 @@ class JobBatch:
 
     def rendering(self, inflight: InFlight | None) -> None:
         """On the devices (`inflight`), or None: its jobs rendered one by one, synchronously
-        (also after the batch raised on the devices, when it is rendering already)."""
+        (also after its batch raised on the devices, when it is rendering already)."""
         self.inflight = inflight
         if self.state is not State.RENDERING:
             self._move(State.RENDERING)
@@ -132,7 +134,7 @@ class JobBatch:
     # -- letting jobs go: the caller records each one's outcome -------------------------------
 
     def release(self, job: Job) -> Job:
-        """Take `job` out of the batch, to be acknowledged or put back on the queue."""
+        """Take `job` out of the bundle, to be acknowledged or put back on the queue."""
         self.jobs.remove(job)
         self._settle_if_empty()
         return job
