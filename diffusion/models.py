@@ -141,7 +141,7 @@ class LoadedModel:
 
     @property
     def default_scheduler(self) -> str:
-        """The job contract's name of the model's own scheduler."""
+        """The name (of diffusion.choices.SCHEDULERS) of the model's own scheduler."""
         name = self.configs["scheduler"].get("_class_name")
         if name not in CLASS_NAMES:
             raise ModelError("scheduler", None, f"the model's own scheduler is {name!r}, which the farm does not "
