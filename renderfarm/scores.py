@@ -1,8 +1,8 @@
 """Image scores as the farm's contract states them: the names a job may ask for (SCORES, the
-model layer's: diffusion/choices.py), what each puts in its sidecar, the small
-expression language that filters on them (`renderfarm export
---where`, a campaign's `gate`). Importable without JAX: the producer checks a job's scores
-and a filter before anything is enqueued; the worker computes the scores (diffusion/scores.py).
+model layer's: diffusion/choices.py), what each puts in its sidecar, the small expression
+language that filters on them (`renderfarm export --where`, a campaign's `gate`). Importable
+without JAX: the producer checks a job's scores and a filter before anything is enqueued; the
+worker computes the scores (diffusion/scores.py).
 
 A sidecar's `scores` holds what was asked for:
   safety     nsfw (bool) and safety_concepts: {concept index: score} for the concepts that
