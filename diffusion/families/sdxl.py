@@ -51,7 +51,7 @@ def generate(nets: Networks, scheduler: Scheduler, static: Static, params: Any, 
 
 FAMILY = Family(
     name="sdxl",
-    pipelines=("StableDiffusionXLPipeline", "FlaxStableDiffusionXLPipeline"),
+    pipelines=("StableDiffusionXLPipeline", "FlaxStableDiffusionXLPipeline", "StableDiffusionXLInpaintPipeline"),
     components={"text_encoder": Component(CLIPTextModel, CLIPTextConfig, "clip"),
                 "text_encoder_2": Component(CLIPTextModelWithProjection, CLIPTextConfig, "clip_projection"),
                 "unet": Component(UNet2DConditionModel, UNetConfig, "unet"),
