@@ -113,7 +113,8 @@ def device_plan(name: str, smoke: bool) -> dict[str, Any]:
     from diffusion.architectures import architecture
     from diffusion.families import FAMILIES
     from diffusion.families.flux import tiny_configs
-    from diffusion.tiny_parts import text_config, unet_config, vae_config
+    from diffusion.families.latent_unet import unet_config, vae_config
+    from diffusion.tiny_parts import text_config
 
     run, published = RUNS[name], architecture(name)
     configs = {component: published[component] for component in FAMILIES[run.family].components}

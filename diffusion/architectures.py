@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from renderfarm.jobs import JobError
+from diffusion.errors import ModelError
 
 if TYPE_CHECKING:
     from diffusion.models import LoadedModel
@@ -36,8 +36,8 @@ class Length:
 def architecture(name: str) -> dict[str, Any]:
     """The published configs of architecture `name` (diffusion/architectures/NAME.json)."""
     if name not in ARCHITECTURES:
-        raise JobError("model", name, f"must be a published architecture ({', '.join(ARCHITECTURES)}), a pipeline "
-                                      "folder or a hub id (org/name)")
+        raise ModelError("model", name, f"must be a published architecture ({', '.join(ARCHITECTURES)}), a pipeline "
+                                        "folder or a hub id (org/name)")
     return json.loads((FOLDER / f"{name}.json").read_text(encoding="utf-8"))
 
 
@@ -54,7 +54,7 @@ def abstract_model(ref: str, dtype: str = "bfloat16") -> LoadedModel:
     from diffusion.tokenizer import TokenizerError
 
     if dtype not in JAX_DTYPES:
-        raise JobError("dtype", dtype, f"must be one of {', '.join(JAX_DTYPES)}")
+        raise ModelError("dtype", dtype, f"must be one of {', '.join(JAX_DTYPES)}")
     local = Path(ref).expanduser().exists()
     if not local and "/" not in ref:  # not a folder, not a hub id: a published architecture's name
         published = architecture(ref)
@@ -63,8 +63,8 @@ def abstract_model(ref: str, dtype: str = "bfloat16") -> LoadedModel:
         tokenizers: list[Any] = [Length(length) for length in published["tokenizers"].values()]
     else:
         if is_single_file(ref):
-            raise JobError("model", ref, "a single file is planned as its base: name the base pipeline (a folder, "
-                                         f"a hub id or one of {', '.join(ARCHITECTURES)})")
+            raise ModelError("model", ref, "a single file is planned as its base: name the base pipeline (a folder, "
+                                           f"a hub id or one of {', '.join(ARCHITECTURES)})")
         folder, revision = resolve(ref, weights=False)
         index = _read_json(ref, folder / "model_index.json")
         family = detect(ref, index)
@@ -73,7 +73,7 @@ def abstract_model(ref: str, dtype: str = "bfloat16") -> LoadedModel:
         try:
             tokenizers = [load(folder / name) for name, load in family.tokenizers.items()]
         except TokenizerError as err:
-            raise JobError("model", ref, str(err)) from None
+            raise ModelError("model", ref, str(err)) from None
     modules = {name: component.module(_config(ref, family, name, configs), dtype=JAX_DTYPES[dtype])
                for name, component in family.components.items()}
     cast = lambda leaf: jax.ShapeDtypeStruct(  # noqa: E731 - floating weights in `dtype`, as the loader holds them

@@ -28,7 +28,7 @@ import re
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from renderfarm.jobs import JobError
+from diffusion.errors import ModelError
 
 FlaxPath = tuple[str, ...]
 Shape = tuple[int, ...]
@@ -87,7 +87,7 @@ _KINDS = {
 KINDS = tuple(_KINDS)
 
 
-class WeightsError(JobError):
+class WeightsError(ModelError):
     """A checkpoint that cannot be loaded: `model=<component folder>: <file>: <why>`."""
 
     def __init__(self, where: object, rule: str) -> None:

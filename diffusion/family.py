@@ -15,11 +15,11 @@ from typing import Any, Protocol
 import flax.linen as nn
 import numpy as np
 
+from diffusion.choices import SCHEDULERS
 from diffusion.lora import LoraTargets
 from diffusion.sharding import TensorParallel
-from renderfarm.jobs import SCHEDULERS
 
-# The samplers of the DDPM training schedule (the UNet models'): all the contract's but flow_euler.
+# The samplers of the DDPM training schedule (the UNet models'): all but flow_euler.
 DDPM_SCHEDULERS = tuple(name for name in SCHEDULERS if name != "flow_euler")
 
 
@@ -85,7 +85,7 @@ class Family:
     tiny: Callable[[Family, Path, int], None]
     # pipeline options its `generate` reads from model_index.json, with their defaults
     options: tuple[tuple[str, Any], ...] = ()
-    # the job contract's schedulers its models run (a job naming another is refused)
+    # the schedulers its models run (a job naming another is refused)
     schedulers: tuple[str, ...] = DDPM_SCHEDULERS
     # the guidance scale of a job that names none: its diffusers pipeline's default (7.5 for
     # Stable Diffusion's pipelines), so a job renders as that pipeline called without one

@@ -4,7 +4,7 @@ on real hardware can say what fraction of its accelerators' peak it reaches.
 The counts are XLA's own (`cost_analysis`), which needs shapes only, never weights. One
 trap: XLA counts the body of a loop once, whatever its trip count, so a program that runs
 the UNet in a `fori_loop` of N steps reports the cost of one step; `denoise_flops` adds
-the other N - 1 from a separately lowered UNet call.
+the other N - 1 from a separately lowered denoiser call (each family's `denoiser_flops`).
 """
 
 from __future__ import annotations
@@ -12,9 +12,6 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from typing import Any
-
-import jax
-import jax.numpy as jnp
 
 from diffusion.targets import PEAK_TFLOPS
 
@@ -32,30 +29,6 @@ def program_flops(compiled: Any) -> float | None:
         cost = cost[0] if cost else None
     flops = cost.get("flops") if isinstance(cost, Mapping) else None
     return float(flops) if flops is not None and flops > 0 else None
-
-
-def unet_flops(unet: Any, params: Any, batch: int, latent_height: int, latent_width: int,
-               context_tokens: int) -> float | None:
-    """FLOPs of one call of a UNet (diffusion.nn.unet) on `batch` latents (2 per image with
-    classifier-free guidance) and a context of `context_tokens` positions. Lowered, not
-    compiled: seconds even for SDXL. `params` may be abstract (`jax.eval_shape(unet.init_params, key)`)."""
-    config = unet.config
-    f32 = jnp.float32
-    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), params)  # no transfers
-    sample = jax.ShapeDtypeStruct((batch, config.in_channels, latent_height, latent_width), f32)
-    context = jax.ShapeDtypeStruct((batch, context_tokens, config.cross_attention_dim), f32)
-    added = None
-    if config.addition_embed_type == "text_time":  # SDXL: pooled text + 6 size conditions
-        time_ids = 6
-        pooled = config.projection_class_embeddings_input_dim - time_ids * config.addition_time_embed_dim
-        added = {"text_embeds": jax.ShapeDtypeStruct((batch, pooled), f32),
-                 "time_ids": jax.ShapeDtypeStruct((batch, time_ids), f32)}
-
-    def call(params: Any, sample: jax.Array, context: jax.Array, added: Any) -> jax.Array:
-        timestep = jnp.full((sample.shape[0],), 999.0, jnp.float32)
-        return unet.apply({"params": params}, sample, timestep, context, added)
-
-    return program_flops(jax.jit(call).lower(params, sample, context, added))
 
 
 def denoise_flops(program: float | None, unet_step: float | None, steps: int) -> float | None:

@@ -63,8 +63,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from diffusion.convert import WeightsError, count, few
+from diffusion.errors import ModelError, shown
 from diffusion.weights import FLOAT_DTYPES, PICKLE_SUFFIXES, ST_DTYPES, TensorInfo, read_header, read_tensor
-from renderfarm.jobs import JobError, shown
 
 Shape = tuple[int, ...]
 Rows = Sequence[tuple[str, int, int]]  # (diffusers module, first row, end row) of a fused module's output
@@ -303,7 +303,7 @@ class LoraFile:
 
 def _checked_scale(scale: Any) -> float:
     if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
-        raise JobError("lora_scale", scale, "must be a finite number")
+        raise ModelError("lora_scale", scale, "must be a finite number")
     return float(scale)
 
 

@@ -43,7 +43,9 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from tqdm import tqdm
 
+from diffusion.choices import DTYPES, SCHEDULERS, Lora, check_variant
 from diffusion.digests import file_sha256
+from diffusion.errors import ModelError
 from diffusion.families import detect
 from diffusion.family import Family, Networks, Tokenizer
 from diffusion.generate import ImageInputs
@@ -64,10 +66,8 @@ from diffusion.weights import (
     load_weights,
     safetensors_tensors,
 )
-from renderfarm.jobs import DTYPES as JOB_DTYPES
-from renderfarm.jobs import SCHEDULERS, JobError, JobSpec, Lora, check_variant
 
-JAX_DTYPES = {name: jnp.dtype(name) for name in JOB_DTYPES}
+JAX_DTYPES = {name: jnp.dtype(name) for name in DTYPES}
 DIGESTS = "sha256.json"  # in the model cache: diffusion/digests.py
 # A single file's default base, by the lineage its tensors show: configs and tokenizers only.
 STANDARD_BASES = {"flux-schnell": "black-forest-labs/FLUX.1-schnell", "flux-dev": "black-forest-labs/FLUX.1-dev",
@@ -105,9 +105,9 @@ class LoadedModel:
         position; and which prompts the tokenizers cut."""
         return self.family.inputs(self.tokenizers, prompts, negatives, seeds, guidance)
 
-    def guidance_scale(self, spec: JobSpec) -> float:
-        """The guidance a job renders with: its own, or else its family's default."""
-        return self.family.default_guidance if spec.guidance_scale is None else spec.guidance_scale
+    def guidance_scale(self, asked: float | None) -> float:
+        """The guidance a job renders with: the scale it asks for, or else its family's default."""
+        return self.family.default_guidance if asked is None else asked
 
     def abstract_inputs(self, batch: int, sharding: jax.sharding.Sharding | None = None,
                         image: tuple[int, int] | None = None, mask: bool = False) -> Any:
@@ -141,11 +141,11 @@ class LoadedModel:
 
     @property
     def default_scheduler(self) -> str:
-        """The job contract's name of the model's own scheduler."""
+        """The name (of diffusion.choices.SCHEDULERS) of the model's own scheduler."""
         name = self.configs["scheduler"].get("_class_name")
         if name not in CLASS_NAMES:
-            raise JobError("scheduler", None, f"the model's own scheduler is {name!r}, which the farm does not "
-                                              f"run: name one of {', '.join(SCHEDULERS)}")
+            raise ModelError("scheduler", None, f"the model's own scheduler is {name!r}, which the farm does not "
+                                                f"run: name one of {', '.join(SCHEDULERS)}")
         return CLASS_NAMES[name]
 
 
@@ -167,8 +167,8 @@ def contained(url: str, names: list[str]) -> list[str]:
     written."""
     for name in names:
         if name.startswith("/") or "\\" in name or any(part in ("", ".", "..") for part in name.split("/")):
-            raise JobError("model", url, f"holds an object named {name!r}, which would be written outside "
-                                         "the model's folder: refused")
+            raise ModelError("model", url, f"holds an object named {name!r}, which would be written outside "
+                                           "the model's folder: refused")
     return names
 
 
@@ -193,8 +193,8 @@ def set_bucket_opener(opener: Callable[[str], Bucket]) -> None:
 def _open_bucket(url: str, field: str, ref: str) -> Bucket:
     """The bucket folder `url`, for the reference `ref` in `field`."""
     if not _bucket_opener:
-        raise JobError(field, ref, "names a bucket, but this program set no bucket reader "
-                                   "(diffusion.models.set_bucket_opener)")
+        raise ModelError(field, ref, "names a bucket, but this program set no bucket reader "
+                                     "(diffusion.models.set_bucket_opener)")
     return _bucket_opener[0](url)
 
 
@@ -210,7 +210,7 @@ def _fetch_bucket_folder(url: str) -> Path:
     shutil.rmtree(partial, ignore_errors=True)
     names = contained(url, list(store.list("")))
     if not names:
-        raise JobError("model", url, "is an empty or missing bucket folder")
+        raise ModelError("model", url, "is an empty or missing bucket folder")
     with tqdm(total=len(names), unit="file", desc=f"copying {url}", file=sys.stderr) as bar:
         for name in names:
             dest = partial / name
@@ -254,7 +254,7 @@ def resolve(ref: str, variant: str | None = None, weights: bool | Sequence[str] 
         patterns = hub_patterns(variant, None if weights is True else list(weights or ()))
         folder = Path(snapshot_download(repo, revision=revision, allow_patterns=patterns))
     except Exception as err:  # the hub client raises many types; the user needs the reason
-        raise JobError("model", ref, f"could not be resolved on the hub or its cache ({err})") from err
+        raise ModelError("model", ref, f"could not be resolved on the hub or its cache ({err})") from err
     return folder, folder.name  # a snapshot folder is named by its commit
 
 
@@ -269,26 +269,26 @@ def resolve_file(ref: str, field: str) -> tuple[Path, str | None]:
     (the hub's cache). Pickle files are refused by name, never opened."""
     name, revision = split_ref(ref)
     if name.lower().endswith(PICKLE_SUFFIXES):
-        raise JobError(field, ref, "is a pickle file, which is never loaded: unpickling runs code from the file. "
-                                   "Convert it to .safetensors on a trusted machine (safetensors.torch.save_file)")
+        raise ModelError(field, ref, "is a pickle file, which is never loaded: unpickling runs code from the file. "
+                                     "Convert it to .safetensors on a trusted machine (safetensors.torch.save_file)")
     if not name.lower().endswith(".safetensors"):
-        raise JobError(field, ref, "must name a .safetensors file")
+        raise ModelError(field, ref, "must name a .safetensors file")
     if ref.startswith("gs://"):
         return _fetch_bucket_file(ref, field), None
     local = Path(ref.removeprefix("file://")).expanduser()
     if local.exists() or ref.startswith((".", "/", "~", "file://")):
         if not local.is_file():
-            raise JobError(field, ref, "is not a file")
+            raise ModelError(field, ref, "is not a file")
         return local, None
     parts = name.split("/")
     if len(parts) < 3:
-        raise JobError(field, ref, "is neither a local file nor a hub file (org/repo/path/x.safetensors[@revision])")
+        raise ModelError(field, ref, "is neither a local file nor a hub file (org/repo/path/x.safetensors[@revision])")
     from huggingface_hub import hf_hub_download
 
     try:
         path = Path(hf_hub_download("/".join(parts[:2]), "/".join(parts[2:]), revision=revision))
     except Exception as err:  # the hub client raises many types; the user needs the reason
-        raise JobError(field, ref, f"could not be resolved on the hub or its cache ({err})") from err
+        raise ModelError(field, ref, f"could not be resolved on the hub or its cache ({err})") from err
     return path, path.parents[len(parts) - 3].name  # .../snapshots/<commit>/path/x.safetensors
 
 
@@ -300,7 +300,7 @@ def _fetch_bucket_file(url: str, field: str) -> Path:
         return target
     store = _open_bucket(folder, field, url)
     if not store.exists(name):
-        raise JobError(field, url, "no such object")
+        raise ModelError(field, url, "no such object")
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f".{name}.partial-{os.getpid()}")
     partial.write_bytes(store.get(name))
@@ -312,11 +312,11 @@ def _read_json(ref: str, path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise JobError("model", ref, f"has no {path.parent.name}/{path.name}") from None
+        raise ModelError("model", ref, f"has no {path.parent.name}/{path.name}") from None
     except (ValueError, UnicodeDecodeError) as err:
-        raise JobError("model", ref, f"{path}: not valid JSON ({err})") from None
+        raise ModelError("model", ref, f"{path}: not valid JSON ({err})") from None
     if not isinstance(data, dict):
-        raise JobError("model", ref, f"{path}: must be a JSON object")
+        raise ModelError("model", ref, f"{path}: must be a JSON object")
     return data
 
 
@@ -338,7 +338,7 @@ def load_model(ref: str, dtype: str = "float32", variant: str | None = None, bas
     (diffusion.placement; None: the fewest that fit the devices' memory). The time it took is logged."""
     started = time.perf_counter()
     if dtype not in JAX_DTYPES:
-        raise JobError("dtype", dtype, f"must be one of {', '.join(JAX_DTYPES)}")
+        raise ModelError("dtype", dtype, f"must be one of {', '.join(JAX_DTYPES)}")
     if variant is not None:
         check_variant(variant)
     weights: list[dict[str, Any]] = []
@@ -347,10 +347,10 @@ def load_model(ref: str, dtype: str = "float32", variant: str | None = None, bas
         index = _read_json(ref, folder / "model_index.json")
     else:
         if base is not None:
-            raise JobError("base", base, "applies to a single-file --model (x.safetensors) only")
+            raise ModelError("base", base, "applies to a single-file --model (x.safetensors) only")
         folder, revision = resolve(ref, variant)
         if not (folder / "model_index.json").is_file():
-            raise JobError("model", ref, "must be a diffusers pipeline folder (no model_index.json found)")
+            raise ModelError("model", ref, "must be a diffusers pipeline folder (no model_index.json found)")
         index = _read_json(ref, folder / "model_index.json")
         family = detect(ref, index)
         sources = _folder_weights(folder, family.components, variant, weights)
@@ -391,7 +391,7 @@ def load_model(ref: str, dtype: str = "float32", variant: str | None = None, bas
     try:
         tokenizers = [load(folder / name) for name, load in family.tokenizers.items()]
     except TokenizerError as err:
-        raise JobError("model", ref, str(err)) from None
+        raise ModelError("model", ref, str(err)) from None
     options = tuple((name, index.get(name, default)) for name, default in family.options)
     networks = Networks(tuple(modules.items()), options)
     leaves = jax.block_until_ready(jax.tree.leaves(params))
@@ -416,7 +416,7 @@ def _fitting_model_parallel(ref: str, folder: Path, family: Family, sources: dic
         usable = int(limit * usable_share(devices[0].platform)) if limit else None
         return choose_model_parallel(weight_bytes, usable, len(devices))
     except ValueError as err:
-        raise JobError("model", ref, str(err)) from None
+        raise ModelError("model", ref, str(err)) from None
 
 
 def _single_file(ref: str, variant: str | None, base: str | None, weights: list[dict[str, Any]],
@@ -426,12 +426,12 @@ def _single_file(ref: str, variant: str | None, base: str | None, weights: list[
     from the file and, for components the file does not hold (a UNet or a Flux transformer
     saved alone), from the base's weights."""
     if variant is not None:
-        raise JobError("variant", variant, "a single-file checkpoint has no variants")
+        raise ModelError("variant", variant, "a single-file checkpoint has no variants")
     path, revision = resolve_file(ref, "model")
     base_ref = base or STANDARD_BASES[read_single_file(path).lineage]
     folder, _ = resolve(base_ref, weights=False)
     if not (folder / "model_index.json").is_file():
-        raise JobError("base", base_ref, "must be a diffusers pipeline folder (no model_index.json found)")
+        raise ModelError("base", base_ref, "must be a diffusers pipeline folder (no model_index.json found)")
     family = detect(base_ref, _read_json(base_ref, folder / "model_index.json"))
     configs = {name: _read_json(base_ref, folder / name / "config.json") for name in family.components}
     single = read_single_file(path, configs)
@@ -473,7 +473,7 @@ def _config(ref: str, family: Family, name: str, configs: dict[str, dict[str, An
     try:
         return family.components[name].config.from_dict(configs[name])
     except (ValueError, TypeError) as err:
-        raise JobError("model", ref, f"{name}/config.json: {err}") from None
+        raise ModelError("model", ref, f"{name}/config.json: {err}") from None
 
 
 def _lora_deltas(ref: str, loras: tuple[Lora, ...], family: Family, sources: dict[str, dict[str, TensorInfo]],
@@ -485,8 +485,8 @@ def _lora_deltas(ref: str, loras: tuple[Lora, ...], family: Family, sources: dic
     more than one weight's delta is held at once."""
     msgpack = [name for name in family.components if name not in sources]
     if loras and msgpack:
-        raise JobError("loras", loras[0][0], f"merge into safetensors weights; this model's {msgpack[0]} has "
-                                             "Flax msgpack weights (LoRAs need the model's safetensors weights)")
+        raise ModelError("loras", loras[0][0], f"merge into safetensors weights; this model's {msgpack[0]} has "
+                                               "Flax msgpack weights (LoRAs need the model's safetensors weights)")
     shapes = {name: {key: info.shape for key, info in tensors.items()} for name, tensors in sources.items()}
     targets = family.loras
     named = loras and targets.kohya_modules is not None and targets.denoiser in family.components

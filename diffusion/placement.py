@@ -26,12 +26,12 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from diffusion.errors import ModelError
 from diffusion.family import Family, Networks
 from diffusion.generate import Static
 from diffusion.nn.attention import for_backend
 from diffusion.schedulers import Scheduler
 from diffusion.sharding import DATA, MODEL, interleaved, weight_specs
-from renderfarm.jobs import JobError
 
 BATCH, WHOLE = PartitionSpec(DATA), PartitionSpec()
 
@@ -101,7 +101,7 @@ class Placement:
 def make_placement(devices: Sequence[jax.Device], model_parallel: int) -> Placement:
     """The mesh of `devices` with `model_parallel` devices per copy of the weights."""
     if model_parallel < 1 or len(devices) % model_parallel:
-        raise JobError("model_parallel", model_parallel, f"must divide the {len(devices)} devices")
+        raise ModelError("model_parallel", model_parallel, f"must divide the {len(devices)} devices")
     grid = np.array(list(devices), dtype=object).reshape(len(devices) // model_parallel, model_parallel)
     return Placement(Mesh(grid, (DATA, MODEL)))
 

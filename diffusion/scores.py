@@ -57,13 +57,14 @@ import scipy.fftpack
 from flax.traverse_util import flatten_dict
 from PIL import Image
 
+from diffusion.choices import SCORES
 from diffusion.convert import WeightsError
+from diffusion.errors import ModelError
 from diffusion.nn import parameter_shapes
 from diffusion.nn.clip import CLIPConfig, CLIPModel, CLIPVisionModel
-from diffusion.nn.unet import Dtype
+from diffusion.nn.layers import Dtype
 from diffusion.tokenizer import CLIPTokenizer, TokenizerError
 from diffusion.weights import PICKLE_SUFFIXES, load_tensors, load_weights, read_header
-from renderfarm.jobs import SCORES, JobError
 # CLIPImageProcessor's (OpenAI CLIP's) normalisation.
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -72,7 +73,7 @@ SPECIAL_ADJUSTMENT = 0.01
 AESTHETIC_LAYERS = (("0", 1024), ("2", 128), ("4", 64), ("6", 16), ("7", 1))  # (index, out features)
 
 
-class ScoreModelError(JobError):
+class ScoreModelError(ModelError):
     """A scoring model that cannot be used: `<score>=<path>: <why>`, raised at start-up."""
 
 

@@ -42,9 +42,9 @@ from typing import Any
 
 from diffusion import bfl
 from diffusion.convert import WeightsError, count, few
+from diffusion.errors import shown
 from diffusion.nn.flux import FluxConfig
 from diffusion.weights import PICKLE_SUFFIXES, TensorInfo, read_header
-from renderfarm.jobs import shown
 
 UNET, VAE = "model.diffusion_model.", "first_stage_model."
 # The text encoders' prefixes in each lineage's files -> (component, layout). "clip": already

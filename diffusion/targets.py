@@ -28,7 +28,7 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from renderfarm.jobs import JobError
+from diffusion.errors import ModelError
 
 if TYPE_CHECKING:
     import jax
@@ -141,7 +141,7 @@ def usable_share(platform: str) -> float:
 def target(name: str) -> Target:
     """The target called `name`; an unknown name is refused naming the known ones."""
     if name not in TARGETS:
-        raise JobError("target", name, f"must be one of {', '.join(TARGETS)}")
+        raise ModelError("target", name, f"must be one of {', '.join(TARGETS)}")
     return TARGETS[name]
 
 
@@ -162,16 +162,16 @@ def target_devices(chosen: Target) -> Sequence[jax.Device]:
     try:
         devices = topologies.get_topology_desc(topology_name=chosen.topology, platform="tpu").devices
     except Exception as err:  # noqa: BLE001 - libtpu missing or refusing the topology: say which
-        raise JobError("target", chosen.name, f"compiling for {chosen.label} needs libtpu "
-                                              f"(pip install 'jax[tpu]=={jax.__version__}'): {err}") from None
+        raise ModelError("target", chosen.name, f"compiling for {chosen.label} needs libtpu "
+                                                f"(pip install 'jax[tpu]=={jax.__version__}'): {err}") from None
     return _checked(chosen, devices)
 
 
 def _checked(chosen: Target, devices: Sequence[jax.Device]) -> Sequence[jax.Device]:
     """`devices`, refused unless the target has that many."""
     if len(devices) != chosen.devices:
-        raise JobError("target", chosen.name, f"the compiler describes {len(devices)} devices for {chosen.label}, "
-                                              f"the target {chosen.devices}")
+        raise ModelError("target", chosen.name, f"the compiler describes {len(devices)} devices for {chosen.label}, "
+                                                f"the target {chosen.devices}")
     return devices
 
 
@@ -187,7 +187,7 @@ def _gpu_devices(chosen: Target) -> Sequence[jax.Device]:
     try:
         cudnn, cuda = (_version(name) for name in ("nvidia-cudnn-cu12", "nvidia-cuda-nvcc-cu12"))
     except importlib.metadata.PackageNotFoundError as err:
-        raise JobError("target", chosen.name, f"{needs}: {err.name} is not installed") from None
+        raise ModelError("target", chosen.name, f"{needs}: {err.name} is not installed") from None
     # The plugin checks the CUDA libraries a GPU run loads when JAX starts it, and with no GPU
     # fails; a compile-only client loads none of them.
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
@@ -196,8 +196,8 @@ def _gpu_devices(chosen: Target) -> Sequence[jax.Device]:
         return topologies.get_topology_desc(platform="cuda", target_config=config,
                                             topology=f"1x1x{chosen.devices}").devices
     except Exception as err:  # noqa: BLE001 - no plugin, or one JAX started before: say which
-        raise JobError("target", chosen.name, f"{needs}, started with JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 (or "
-                                              f"JAX_PLATFORMS=cpu) before JAX starts its backends: {err}") from None
+        raise ModelError("target", chosen.name, f"{needs}, started with JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 (or "
+                                                f"JAX_PLATFORMS=cpu) before JAX starts its backends: {err}") from None
 
 
 def _version(package: str) -> tuple[int, ...]:

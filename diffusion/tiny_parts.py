@@ -1,8 +1,8 @@
-"""The parts tiny random-weight pipelines are made of (diffusion/tiny.py builds them), and
-the SD families' recipe: a diffusers folder with model_index.json, each component's
-config.json, CLIP tokenizer files, and weights in diffusers' Flax msgpack format (the oracle's
-checkpoints in tests/data/oracle are the PyTorch safetensors side). 64x64 native size, VAE
-scale factor 8.
+"""The parts tiny random-weight pipelines are made of, which each family's recipe
+(`Family.tiny`) puts together and diffusion/tiny.py builds: CLIP and T5 tokenizer files, a tiny
+CLIP text encoder's config, seeded random weights, and a diffusers folder with model_index.json,
+each component's config.json and weights in diffusers' Flax msgpack format (the oracle's
+checkpoints in tests/data/oracle are the PyTorch safetensors side).
 """
 
 from __future__ import annotations
@@ -21,9 +21,7 @@ if TYPE_CHECKING:
     from diffusion.family import Family
 
 _MAX_LENGTH = 77  # CLIP's context length; every real SD tokenizer pads to it.
-_TEXT_HIDDEN = 32  # hidden size (and SDXL projection_dim) of each tiny CLIP text encoder
-_TIME_EMBED_DIM = 8  # SDXL addition_time_embed_dim (256 in the real model)
-_SD_BETAS = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "num_train_timesteps": 1000}
+TEXT_HIDDEN = 32  # hidden size (and SDXL projection_dim) of each tiny CLIP text encoder
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
 DIFFUSERS_KINDS = ("unet", "vae", "flux")  # convert kinds of diffusers' networks (the others are transformers')
 
@@ -95,32 +93,11 @@ def t5_tokenizer_files(folder: pathlib.Path, max_length: int = 512) -> int:
 
 
 def text_config(vocab_size: int, **extra: Any) -> dict[str, Any]:
-    return {"model_type": "clip_text_model", "vocab_size": vocab_size, "hidden_size": _TEXT_HIDDEN,
+    return {"model_type": "clip_text_model", "vocab_size": vocab_size, "hidden_size": TEXT_HIDDEN,
             "intermediate_size": 37, "num_hidden_layers": 2, "num_attention_heads": 4,
             "max_position_embeddings": _MAX_LENGTH, "hidden_act": "quick_gelu", "layer_norm_eps": 1e-5,
             "bos_token_id": vocab_size - 2, "eos_token_id": vocab_size - 1, "pad_token_id": vocab_size - 1,
-            "projection_dim": _TEXT_HIDDEN, **extra}
-
-
-def unet_config(kind: str) -> dict[str, Any]:
-    """Two UNet levels (one downsampling) on 8x8 latents; SDXL adds the pooled-text + size conditioning."""
-    config = {"sample_size": 8, "in_channels": 4, "out_channels": 4, "block_out_channels": [32, 64],
-              "layers_per_block": 1, "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"],
-              "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"], "attention_head_dim": [2, 4]}
-    if kind == "sd":
-        return {**config, "cross_attention_dim": _TEXT_HIDDEN}
-    return {**config, "cross_attention_dim": 2 * _TEXT_HIDDEN,  # both encoders' hidden states, side by side
-            "use_linear_projection": True, "addition_embed_type": "text_time",
-            "addition_time_embed_dim": _TIME_EMBED_DIM,
-            # pooled text_embeds (text_encoder_2's projection_dim) + 6 micro-conditions (sizes and crop)
-            "projection_class_embeddings_input_dim": _TEXT_HIDDEN + 6 * _TIME_EMBED_DIM}
-
-
-def vae_config(kind: str) -> dict[str, Any]:
-    """Four blocks, i.e. three downsamplings: vae_scale_factor 8 as in the real SD family."""
-    return {"block_out_channels": [8, 8, 16, 16], "down_block_types": ["DownEncoderBlock2D"] * 4,
-            "up_block_types": ["UpDecoderBlock2D"] * 4, "layers_per_block": 1, "latent_channels": 4,
-            "norm_num_groups": 8, "sample_size": 64, "scaling_factor": 0.18215 if kind == "sd" else 0.13025}
+            "projection_dim": TEXT_HIDDEN, **extra}
 
 
 def random_params(module: Any, seed: int, stream: int) -> dict:
@@ -147,24 +124,6 @@ def random_params(module: Any, seed: int, stream: int) -> dict:
 def write_json(path: pathlib.Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-
-
-def write_latent_unet_model(family: Family, out: pathlib.Path, seed: int) -> None:
-    """The SD families' recipe: CLIP tokenizers and text encoders, a two-level UNet on 8x8
-    latents and a four-block VAE (64x64 native size, VAE scale factor 8)."""
-    kind = family.name
-    vocab = clip_tokenizer_files(out / "tokenizer", pad=EOS)
-    configs = {"text_encoder": text_config(vocab), "unet": unet_config(kind), "vae": vae_config(kind)}
-    scheduler = ({"_class_name": "PNDMScheduler", **_SD_BETAS, "skip_prk_steps": True, "set_alpha_to_one": False,
-                  "steps_offset": 1, "prediction_type": "epsilon"} if kind == "sd" else
-                 # SDXL's own scheduler: Euler, "leading" spacing, steps_offset 1.
-                 {"_class_name": "EulerDiscreteScheduler", **_SD_BETAS, "timestep_spacing": "leading",
-                  "steps_offset": 1, "prediction_type": "epsilon"})
-    if kind == "sdxl":
-        clip_tokenizer_files(out / "tokenizer_2", pad="!")
-        configs["text_encoder_2"] = text_config(vocab, hidden_act="gelu")
-    write_pipeline(out, family, configs, scheduler, seed,
-                   {name: ["transformers", "CLIPTokenizer"] for name in family.tokenizers})
 
 
 def write_pipeline(out: pathlib.Path, family: Family, configs: dict[str, dict[str, Any]],

@@ -48,8 +48,9 @@ from flax.serialization import msgpack_restore
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from diffusion import convert
+from diffusion.choices import check_variant
 from diffusion.convert import WeightsError
-from renderfarm.jobs import JobError, check_variant, shown
+from diffusion.errors import ModelError, shown
 
 STEMS = ("diffusion_pytorch_model", "model")  # diffusers models, transformers models
 FLAX_FILES = ("diffusion_flax_model.msgpack", "flax_model.msgpack")
@@ -528,7 +529,7 @@ def _read_msgpack(path: Path, wanted: Mapping[tuple[str, ...], tuple[int, ...]],
 def _target_dtype(dtype: Any) -> np.dtype:
     name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
     if name not in NUMPY_DTYPES:
-        raise JobError("dtype", name, f"must be one of {', '.join(NUMPY_DTYPES)}")
+        raise ModelError("dtype", name, f"must be one of {', '.join(NUMPY_DTYPES)}")
     return NUMPY_DTYPES[name]
 
 

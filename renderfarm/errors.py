@@ -1,38 +1,10 @@
 """The error every rule of the farm's contracts raises: which field, which value, which rule.
-Its own module, so that the contract (renderfarm/jobs.py) and what it reads (the score
-filters, renderfarm/scores.py) both raise it without importing each other."""
+It is the model layer's error (diffusion/errors.py) under the contract's name, so a job the
+contract refuses and one its model refuses fail alike (a dead letter with that text). Its own
+module, so that the contract (renderfarm/jobs.py) and what it reads (the score filters,
+renderfarm/scores.py) both raise it without importing each other."""
 
-from __future__ import annotations
+from diffusion.errors import ModelError as JobError
+from diffusion.errors import shown
 
-import reprlib
-from typing import Any
-
-_SHOWN = reprlib.Repr()
-_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlist, _SHOWN.maxdict = 2, 80, 80, 4, 4
-
-
-def shown(value: Any) -> str:
-    """A short repr of any value a hostile producer can send: deep nesting, megabyte strings
-    and integers too long for repr (Python refuses over 4,300 digits) all stay short."""
-    if isinstance(value, str):
-        text = repr(value)
-        return text if len(text) <= 160 else f"{value[:80]!r}... ({len(value)} chars)"
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
-        return f"<integer of {value.bit_length()} bits>"
-    try:
-        return _SHOWN.repr(value)
-    except (ValueError, RecursionError):
-        return f"<{type(value).__name__}>"
-
-
-class JobError(ValueError):
-    """A job field that breaks its rule; says which field, which value and which rule."""
-
-    def __init__(self, field: str, value: Any, rule: str, line: int | None = None) -> None:
-        self.field, self.value, self.rule, self.line = field, value, rule, line
-        where = f"line {line}: " if line is not None else ""
-        name = field if isinstance(field, str) and len(field) <= 80 and field.isprintable() else shown(field)
-        super().__init__(f"{where}{name}={shown(value)}: {rule}")
-
-    def at_line(self, line: int) -> JobError:
-        return JobError(self.field, self.value, self.rule, line)
+__all__ = ["JobError", "shown"]

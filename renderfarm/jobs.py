@@ -16,14 +16,11 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from renderfarm.errors import JobError, shown  # noqa: F401 - the contract's error, raised and imported from here
-from renderfarm.scores import SCORES, Expression  # the scores a job may ask for, and its gate's language
+# The model layer's names a job chooses from (schedulers, dtypes, scores, ...) and their rules.
+from diffusion.choices import DTYPES, SCHEDULERS, SCORES, SPACINGS, Lora, check_sampler, check_variant
+from renderfarm.errors import JobError  # the contract's error, raised and imported from here
+from renderfarm.scores import Expression  # a gate's language
 
-SCHEDULERS = ("pndm", "ddim", "lms", "euler", "dpm", "euler_a", "lcm", "flow_euler")
-SPACINGS = ("leading", "trailing", "linspace")  # diffusers' timestep_spacing
-KARRAS_SCHEDULERS = ("lms", "euler", "dpm")  # those with Karras sigmas (use_karras_sigmas)
-UNSPACED_SCHEDULERS = ("lcm", "flow_euler")  # those that place their own timesteps (timestep_spacing does not apply)
-DTYPES = ("float32", "bfloat16")
 SEED_LIMIT = 2**32
 MAX_PROMPT_CHARS = 10_000  # far beyond 77 tokens; stops megabyte prompts at the door
 MAX_MODEL_CHARS = 1_000  # hub ids, paths and URLs are far shorter
@@ -35,7 +32,6 @@ MAX_MODEL_CHARS = 1_000  # hub ids, paths and URLs are far shorter
 FINEST_SIZE_STEP = 16  # Flux: VAE 8 x its 2x2 patches
 COARSEST_SIZE_STEP = 64  # SD 1.x and 2.x: VAE 8 x UNet 2**3 (SDXL's is 32: 2**2)
 CAMPAIGN_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
-VARIANT_RE = re.compile(r"[a-z0-9_]{1,32}")  # a weights variant: fp16, bf16, ... (file name infix)
 
 # Fields that change the pixels, so they make the job id.
 PIXEL_FIELDS = (
@@ -60,7 +56,6 @@ MAX_LORAS = 16
 DEFAULT_STRENGTH = 0.8
 DEFAULT_INPAINT_STRENGTH = 1.0  # StableDiffusionInpaintPipeline's: the masked area from noise alone
 SHA256_RE = re.compile(r"[0-9a-f]{64}")
-Lora = tuple[str, float]  # (reference, scale)
 # The canonical JSON a job id hashes: sorted keys, no spaces, UTF-8 as is. One encoder for
 # all jobs (json.dumps with options builds one per call, a third of a job id's cost).
 _CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
@@ -174,13 +169,6 @@ def check_campaign(value: Any) -> str:
     return value
 
 
-def check_variant(value: Any) -> str:
-    """A weights variant names files (`diffusion_pytorch_model.fp16.safetensors`)."""
-    if not isinstance(value, str) or not VARIANT_RE.fullmatch(value):
-        raise JobError("variant", value, "must match [a-z0-9_]{1,32} (fp16, bf16, ...)")
-    return value
-
-
 def parse_lora(value: Any) -> Lora:
     """A LoRA as a job names it: "REF[:SCALE]" (scale 1 when absent; a tail that is not a
     number belongs to the reference, as in gs://...) or [REF, SCALE]."""
@@ -223,17 +211,6 @@ def sampler_label(scheduler: str | None, timestep_spacing: str | None, karras: b
     parts = [scheduler or "default scheduler", timestep_spacing or ""]
     parts.append({True: "karras", False: "no-karras", None: ""}[karras])
     return " ".join(filter(None, parts))
-
-
-def check_sampler(scheduler: str, timestep_spacing: str | None, karras: bool | None) -> None:
-    """The rules that tie the sampler fields together, once the scheduler is known (named by
-    the job, or the model's own on the worker)."""
-    if karras and scheduler not in KARRAS_SCHEDULERS:
-        raise JobError("karras", karras, f"needs a scheduler with Karras sigmas ({', '.join(KARRAS_SCHEDULERS)}), "
-                                         f"not {scheduler}")
-    if timestep_spacing is not None and scheduler in UNSPACED_SCHEDULERS:
-        raise JobError("timestep_spacing", timestep_spacing, f"does not apply to {scheduler}, which places its "
-                                                             "own timesteps")
 
 
 def _size(field: str, value: Any, size_step: int | None) -> int | None:

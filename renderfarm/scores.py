@@ -1,8 +1,8 @@
-"""Image scores as the farm's contract states them: the names a job may ask for (SCORES, which
-the job contract in renderfarm/jobs.py reads), what each puts in its sidecar, the small
-expression language that filters on them (`renderfarm export
---where`, a campaign's `gate`). Importable without JAX: the producer checks a job's scores
-and a filter before anything is enqueued; the worker computes the scores (diffusion/scores.py).
+"""Image scores as the farm's contract states them: the names a job may ask for (SCORES, the
+model layer's: diffusion/choices.py), what each puts in its sidecar, the small expression
+language that filters on them (`renderfarm export --where`, a campaign's `gate`). Importable
+without JAX: the producer checks a job's scores and a filter before anything is enqueued; the
+worker computes the scores (diffusion/scores.py).
 
 A sidecar's `scores` holds what was asked for:
   safety     nsfw (bool) and safety_concepts: {concept index: score} for the concepts that
@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
+from diffusion.choices import SCORES
 from renderfarm.errors import JobError
 
-SCORES = ("safety", "clip", "aesthetic", "phash")  # computed where the image renders (diffusion/scores.py)
 # What the scores put in a sidecar's `scores`, each an export column of this Arrow type.
 COLUMNS = {"nsfw": "bool", "safety_concepts": "string", "clip": "float64", "aesthetic": "float64",
            "phash": "string"}

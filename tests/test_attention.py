@@ -11,7 +11,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from diffusion.nn import attention as attention_module
-from diffusion.nn.attention import KERNELS, LAYOUTS, attention, choose, cudnn_accepts, use_kernel
+from diffusion.nn.attention import KERNELS, LAYOUTS, attention, choose, cudnn_accepts, cudnn_max_head_dim, use_kernel
 
 # Per-device shapes at the farm's sizes, q (B, T, N, H) and k (B, S, N, H), B = 2 for guidance:
 # SD 1.5 at 512x512 (heads 8 x 40 / 80 / 160), SDXL at 1024x1024 (heads of 64), SD 2's 64-token
@@ -59,11 +59,23 @@ def test_cudnn_accepts_what_jax_checks() -> None:
     assert cudnn_accepts((2, 256, 8, 128), (2, 77, 8, 128), jnp.float16, False)
     assert not cudnn_accepts(q, (2, 77, 8, 64), jnp.float32, False)  # float16 / bfloat16 only
     assert not cudnn_accepts((2, 256, 8, 36), (2, 77, 8, 36), jnp.bfloat16, False)  # a multiple of 8
-    assert not cudnn_accepts((2, 256, 8, 136), (2, 77, 8, 136), jnp.bfloat16, False)  # at most 128
+    assert not cudnn_accepts((2, 256, 8, 136), (2, 77, 8, 136), jnp.bfloat16, False)  # at most 128 here
     assert not cudnn_accepts(q, (2, 77, 8, 32), jnp.bfloat16, False)  # q and k head dims differ
     assert not cudnn_accepts(q, (1, 77, 8, 64), jnp.bfloat16, False)  # batches differ
     assert cudnn_accepts(q, q, jnp.bfloat16, True)
     assert not cudnn_accepts(q, (2, 77, 8, 64), jnp.bfloat16, True)  # causal self-attention only
+
+
+def test_the_cudnn_head_dim_cap_is_jaxs_for_this_machines_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """jax's trace reads the local GPU's compute capability: 256 from Hopper on (SD 1.x's 160-wide
+    heads on cuDNN on an H100 worker), 128 on older GPUs and with none (a GPU target planned here)."""
+    assert [cudnn_max_head_dim(c) for c in (None, "8.0", "8.9", "9.0", "10.0")] == [128, 128, 128, 256, 256]
+    sd15_heads = ((2, 256, 8, 160), (2, 77, 8, 160), jnp.bfloat16, False)
+    monkeypatch.setattr(attention_module, "local_gpu_capability", lambda: "9.0")
+    assert cudnn_accepts(*sd15_heads)
+    assert not cudnn_accepts((2, 4096, 1, 512), (2, 4096, 1, 512), jnp.bfloat16, False)  # the VAE's head
+    monkeypatch.setattr(attention_module, "local_gpu_capability", lambda: "8.0")
+    assert not cudnn_accepts(*sd15_heads)
 
 
 def _inputs(t: int, s: int, heads: int, dim: int, dtype: jnp.dtype = jnp.float32) -> list[jax.Array]:

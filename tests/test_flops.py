@@ -7,7 +7,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from diffusion.flops import PEAK_ENV, describe_rate, peak_flops, program_flops, unet_flops
+from diffusion.families.latent_unet import unet_flops
+from diffusion.flops import PEAK_ENV, describe_rate, peak_flops, program_flops
 from harness.farm import STEPS
 from worker.engine import ShapeKey
 

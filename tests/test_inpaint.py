@@ -2,8 +2,8 @@
 (StableDiffusionXLInpaintPipeline for SDXL).
 
 `make oracle` (tests/oracle/inpaint.py) rendered each job of tests/data/inpaint/jobs.json from the
-tiny SD 1.x, 2.x and XL checkpoints (4-channel UNets: masked latent blending) and a tiny 9-channel
-inpainting UNet (latents, mask and masked image's latents in), an init image, a soft-edged mask
+tiny SD 1.x, 2.x and XL checkpoints (4-channel UNets: masked latent blending) and tiny 9-channel
+SD 1.x and XL inpainting UNets (latents, mask and masked image's latents in), an init image, a soft-edged mask
 and a strength (the contract's default 1.0 among them), with the contract's noises. Here the farm
 renders each set as one batch, strengths mixed, in one program: within 2/255 of PyTorch's. And the
 contract's rules: the id follows the mask's content, a mask that does not fit its image, a mask

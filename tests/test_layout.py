@@ -1,8 +1,9 @@
-"""The architecture the package layout shows, kept by a test: the shared contracts
-(`renderfarm`) import neither side, producers never import the worker, the model layer
-(`diffusion`: pure JAX and numpy) imports nothing of the farm but the job contract and no
-queue or storage client, only the entry point (`renderfarm_cli`) wires both sides, and no
-module imports itself back through others. Every import counts, the ones inside functions too."""
+"""The architecture the package layout shows, kept by a test: the model layer (`diffusion`:
+pure JAX and numpy) imports nothing of the farm and no queue or storage client; the shared
+contracts (`renderfarm`) import neither side, only the model layer's names and error (its
+JAX-free modules); producers never import the worker, only the entry point (`renderfarm_cli`)
+wires both sides, and no module imports itself back through others. Every import counts, the
+ones inside functions too."""
 
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("renderfarm", "producer", "diffusion", "worker", "renderfarm_cli")
 # package -> the packages it must not import
-FORBIDDEN = {"renderfarm": {"producer", "diffusion", "worker", "renderfarm_cli"},
+FORBIDDEN = {"renderfarm": {"producer", "worker", "renderfarm_cli"},
              "producer": {"diffusion", "worker", "renderfarm_cli"},
-             "diffusion": {"producer", "worker", "renderfarm_cli"},
+             "diffusion": {"renderfarm", "producer", "worker", "renderfarm_cli"},
              "worker": {"producer", "renderfarm_cli"}}
-# What the model layer may use of the farm: the job contract's names and errors, nothing else.
-MODEL_LAYER_MAY_IMPORT = {"renderfarm.jobs"}
+# What the contracts read of the model layer: its names and its error, modules without JAX.
+CONTRACT_MAY_IMPORT = {"diffusion.choices", "diffusion.errors"}
+# What those modules may import beyond each other: the standard library's, nothing that loads JAX or numpy.
+LIGHT_LIBRARIES = {"__future__", "re", "reprlib", "typing"}
 # Queue, broker and storage clients, which the model layer never imports.
 FARM_LIBRARIES = {"celery", "kombu", "redis", "redbeat", "flower", "google", "prometheus_client", "pyarrow"}
 
@@ -109,18 +112,29 @@ def test_no_module_imports_a_side_it_must_not() -> None:
 
 
 def test_the_model_layer_stands_alone() -> None:
-    """diffusion/ is usable without the farm: of the farm only the job contract, and no queue,
-    broker or storage client, however deep the import."""
+    """diffusion/ is usable without the farm: nothing of the farm (renderfarm, worker), and no
+    queue, broker or storage client, however deep the import."""
     known = modules()
     edges = graph()
     farm = [f"{name} imports {target}" for name in edges if name.split(".")[0] == "diffusion"
-            for target in sorted(edges[name]) if target.split(".")[0] == "renderfarm"
-            and target not in MODEL_LAYER_MAY_IMPORT]
+            for target in sorted(edges[name]) if target.split(".")[0] in ("renderfarm", "worker")]
     clients = [f"{name} imports {library}" for name, path in known.items() if name.split(".")[0] == "diffusion"
                for library in sorted(libraries(path) & FARM_LIBRARIES)]
     assert farm == [] and clients == []
     assert {name for name in known if name.startswith("diffusion.")} >= {
         "diffusion.models", "diffusion.nn.unet", "diffusion.schedulers", "diffusion.generate"}
+
+
+def test_the_contracts_read_the_model_layer_without_jax() -> None:
+    """renderfarm/ (which the producer imports) reads only the model layer's names and error,
+    and those modules import nothing but each other and a few standard modules."""
+    known = modules()
+    edges = graph()
+    read = {target for name in edges if name.split(".")[0] == "renderfarm"
+            for target in edges[name] if target.split(".")[0] == "diffusion"}
+    assert read == CONTRACT_MAY_IMPORT
+    heavy = {name: sorted(libraries(known[name]) - LIGHT_LIBRARIES - {"diffusion"}) for name in CONTRACT_MAY_IMPORT}
+    assert all(edges[name] <= CONTRACT_MAY_IMPORT for name in CONTRACT_MAY_IMPORT) and not any(heavy.values())
 
 
 def test_the_benchmarks_never_import_the_tests() -> None:

@@ -82,7 +82,9 @@ def test_a_taken_port_is_refused_clearly(redis_server: RedisServer, tiny_sd: Pat
         worker = WorkerProcess(tiny_sd, str(tmp_path / "out"), redis_server.url, "taken", tmp_path,
                                extra=("--metrics-port", str(port)))
         assert worker.proc.wait(120) == 2
-    assert re.search(rf"metrics-port={port}: cannot be served .*its own port", worker.log.read_text())
+    log = worker.log.read_text()
+    assert re.search(rf"metrics-port={port}: cannot be served .*its own port", log)
+    assert "loaded in" not in log  # refused before the model is loaded and its programs compiled
 
 
 def test_peak_flops_and_the_fraction_of_peak(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,7 +21,8 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 
 from diffusion.nn.attention import LAYOUTS, attention, use_layout
 from diffusion.nn.clip import CLIPConfig, CLIPModel, CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
-from diffusion.nn.unet import GroupNorm, LayerNorm, UNet2DConditionModel, UNetConfig
+from diffusion.nn.layers import GroupNorm, LayerNorm
+from diffusion.nn.unet import UNet2DConditionModel, UNetConfig
 from diffusion.nn.vae import AutoencoderKL, VAEConfig
 
 DATA = Path(__file__).parent / "data" / "nn"

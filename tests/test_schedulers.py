@@ -15,8 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from diffusion.choices import KARRAS_SCHEDULERS, SCHEDULERS
 from diffusion.generate import Static, sample
 from diffusion.schedulers import SCHEDULER_CLASSES, Scheduler, make
+from diffusion.schedulers.common import SigmaScheduleConfig
 
 DATA = Path(__file__).parent / "data" / "schedulers"
 REFERENCE = json.loads((DATA / "cases.json").read_text(encoding="utf-8"))
@@ -248,10 +250,17 @@ def test_from_config_semantics() -> None:
     hash(make("ddim", REFERENCE["configs"]["trained"]))
 
 
+def test_every_scheduler_name_is_a_port() -> None:
+    """The model layer's scheduler names (diffusion.choices) are the ports' names, in order, and
+    the Karras ones are the ports with a sigma schedule."""
+    assert tuple(SCHEDULER_CLASSES) == SCHEDULERS
+    assert KARRAS_SCHEDULERS == tuple(n for n, c in SCHEDULER_CLASSES.items() if issubclass(c, SigmaScheduleConfig))
+
+
 def test_job_sampler_fields_override_the_model_config() -> None:
     """A job's timestep_spacing and karras win over the model's scheduler config, even where the
     config lists them as merely defaulted; None keeps the config's; karras=True needs Karras
-    sigmas and timestep_spacing does not apply to lcm (renderfarm.jobs.check_sampler)."""
+    sigmas and timestep_spacing does not apply to lcm (diffusion.choices.check_sampler)."""
     sdxl, sd15 = REFERENCE["configs"]["sdxl"], REFERENCE["configs"]["sd15"]
     assert make("euler_a", sdxl, timestep_spacing="trailing").timestep_spacing == "trailing"
     assert make("euler_a", sdxl).timestep_spacing == "leading"

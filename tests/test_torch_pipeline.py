@@ -15,8 +15,9 @@ from safetensors import safe_open
 from diffusion.convert import target, torch_name, torch_shape
 from diffusion.families import FAMILIES, detect
 from diffusion.families.flux import tiny_configs
+from diffusion.families.latent_unet import unet_config, vae_config
 from diffusion.nn import parameter_shapes
-from diffusion.tiny_parts import text_config, unet_config, vae_config
+from diffusion.tiny_parts import text_config
 from harness.torch_pipeline import write_torch_pipeline
 
 ORACLE = Path(__file__).resolve().parent / "data" / "oracle"

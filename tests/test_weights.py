@@ -214,7 +214,7 @@ def test_variant_chosen_and_missing_one_listed(tmp_path: Path) -> None:
         np.testing.assert_array_equal(got, want["decoder.conv_out.weight"].astype(F32).transpose(CONV))
     raises("c': has no weights of variant 'ema'|diffusion_pytorch_model.ema.safetensors|"
            "variants present: bf16, default, fp16", tmp_path, "c", "vae", expected("vae"), F32, "ema")
-    # The job contract's one rule for a variant (renderfarm.jobs.check_variant), at the loader too.
+    # The one rule for a variant (diffusion.choices.check_variant), which the job contract applies too.
     for bad in ("FP16", "fp-16", "x" * 33, "../fp16"):
         with pytest.raises(JobError, match=r"variant=.*must match \[a-z0-9_\]\{1,32\}"):
             weights.choose_weights(tmp_path / "c", bad)

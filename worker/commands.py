@@ -76,6 +76,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     shapes = parse_shapes(args.precompile or "")
     if args.per_device_batch is None and not shapes:  # a worker has no jobs yet to size its batches for
         raise JobError("per-device-batch", "auto", "sizes batches for the first --precompile shape: give one")
+    if args.metrics_port is not None:
+        from worker.metrics import check_port
+
+        check_port(args.metrics_port)
     settings = Settings.from_env(broker_url=args.broker)
     cache = enable_compilation_cache(args.compile_cache, max_bytes=args.compile_cache_max_gb * 2**30)
     started = time.perf_counter()

@@ -200,7 +200,7 @@ def shape_key(model: LoadedModel, spec: JobSpec) -> ShapeKey:
             sized = check_init_image(spec, model.size_step)
             width, height = sized.width, sized.height
     return ShapeKey(width, height, spec.steps, scheduler,
-                    guided=family.classifier_free and model.guidance_scale(spec) > 1,
+                    guided=family.classifier_free and model.guidance_scale(spec.guidance_scale) > 1,
                     timestep_spacing=spec.timestep_spacing, karras=spec.karras, image=spec.init_image is not None,
                     mask=spec.mask_image is not None)
 
@@ -408,7 +408,8 @@ class Engine:
         an image batch's with each job's init image and mask (read ahead: `prefetch`) and start step."""
         padded = jobs + [jobs[-1]] * (self.batch_size - len(jobs))
         host, truncated = self.model.inputs([j.prompt for j in padded], [j.negative_prompt for j in padded],
-                                            [j.seed for j in padded], [self.model.guidance_scale(j) for j in padded])
+                                            [j.seed for j in padded],
+                                            [self.model.guidance_scale(j.guidance_scale) for j in padded])
         if key.image:
             read = [self.init_images.pixels(j, key.width, key.height) for j in padded]
             host = ImageInputs(host, np.stack([pixels for pixels, _ in read]),

@@ -26,7 +26,7 @@ from typing import Any
 
 from celery.utils.saferepr import saferepr
 
-from renderfarm.jobs import shown
+from renderfarm.errors import shown
 from renderfarm.queue import REPR_LIMIT, TASK_NAME
 
 MAX_MESSAGE_BYTES = 1 << 20  # a job with two 10,000-character prompts is far below this

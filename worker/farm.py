@@ -31,7 +31,6 @@ import os
 import socket
 from typing import TYPE_CHECKING
 
-from renderfarm.jobs import JobError
 from renderfarm.progress import Progress
 from renderfarm.queue import make_app, queue_name
 from renderfarm.retry import RetryPolicy
@@ -76,11 +75,7 @@ def build_worker(engine: Engine, settings: Settings, out: str, *, node: str | No
         metrics = WorkerMetrics(engine.devices[0].device_kind, len(engine.devices))
         metrics.compiled(engine.compiles, engine.compile_seconds)  # --precompile's
         metrics.watch_queue(progress.r, queue)
-        try:
-            metrics.serve(metrics_port)
-        except OSError as err:
-            raise JobError("metrics-port", metrics_port, f"cannot be served ({err}); give each worker "
-                                                         "on a host its own port") from None
+        metrics.serve(metrics_port)
         log.info("metrics on http://0.0.0.0:%d/metrics", metrics_port)
     hooks = [FleetHook(progress.r, node, queue), GalleryHook(storage), RateLog(engine)]
     if metrics is not None:

@@ -9,6 +9,7 @@ store seconds), compiled; and as a job's life ends (worker.outcomes.Outcomes): f
 from __future__ import annotations
 
 import math
+import socket
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -17,12 +18,25 @@ import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from diffusion.flops import peak_flops
+from renderfarm.errors import JobError
 from renderfarm.queue import priority_lists
 
 FAILURE_REASONS = ("invalid", "render", "storage", "attempts")
 SECONDS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 WAITS = (1, 5, 15, 60, 300, 900, 3600, 4 * 3600, 24 * 3600)
 
+
+def check_port(port: int) -> None:
+    """Refuse a port already taken before a worker spends minutes loading and compiling."""
+    with socket.socket() as probe:
+        try:
+            probe.bind(("0.0.0.0", port))
+        except OSError as err:
+            raise _port_taken(port, err) from None
+
+
+def _port_taken(port: int, err: OSError) -> JobError:
+    return JobError("metrics-port", port, f"cannot be served ({err}); give each worker on a host its own port")
 
 class WorkerMetrics:
     """The metrics, in their own registry."""
@@ -79,8 +93,11 @@ class WorkerMetrics:
         self.queue_depth.labels(queue).set_function(depth)
 
     def serve(self, port: int) -> None:
-        """Serve /metrics on `port` (OSError if it is taken: each worker needs its own)."""
-        start_http_server(port, registry=self.registry)
+        """Serve /metrics on `port` (taken: a JobError naming it; each worker needs its own)."""
+        try:
+            start_http_server(port, registry=self.registry)
+        except OSError as err:
+            raise _port_taken(port, err) from None
 
     def admitted(self, enqueued: Iterable[Any], now: float | None = None) -> None:
         """Queue waits of jobs starting to render; a missing or implausible time is skipped

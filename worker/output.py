@@ -67,7 +67,7 @@ def sidecar(result: Rendered, model: LoadedModel, png: bytes, devices: list[jax.
         "width": key.width,
         "height": key.height,
         "scheduler": key.scheduler,
-        "guidance_scale": model.guidance_scale(result.spec),  # the job's, or its family's default
+        "guidance_scale": model.guidance_scale(result.spec.guidance_scale),  # the job's, or its family's default
         "classifier_free_guidance": key.guided,
         "truncated": result.truncated,
         "model": {"ref": model.ref, "revision": model.revision, "variant": model.variant,

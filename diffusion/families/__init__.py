@@ -18,9 +18,9 @@ import importlib.metadata
 from collections.abc import Mapping
 from typing import Any
 
+from diffusion.errors import ModelError
 from diffusion.families import flux, sd, sdxl
 from diffusion.family import Family
-from renderfarm.jobs import JobError
 
 ENTRY_POINTS = "renderfarm.families"
 
@@ -56,4 +56,4 @@ def detect(ref: str, model_index: Mapping[str, Any]) -> Family:
         if name in family.pipelines:
             return family
     known = sorted(p for family in FAMILIES.values() for p in family.pipelines)
-    raise JobError("model", ref, f"is a {name!r} pipeline; the farm renders {', '.join(known)}")
+    raise ModelError("model", ref, f"is a {name!r} pipeline; the farm renders {', '.join(known)}")

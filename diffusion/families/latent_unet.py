@@ -1,11 +1,12 @@
 """What the SD-style families share on the host: CLIP tokenizers whose id rows, one per text
 encoder, are the batch's inputs (diffusion.generate.Inputs), and a UNet denoising VAE
 latents with those encoders' hidden states as its context. Their image sizes follow from the
-VAE's scale factor and the UNet's downsamplings, and a denoiser call's FLOPs from the UNet
-lowered on those shapes."""
+VAE's scale factor and the UNet's downsamplings, a denoiser call's FLOPs from the UNet
+lowered on those shapes, and their tiny models from one recipe."""
 
 from __future__ import annotations
 
+import pathlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,15 +14,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diffusion.family import Geometry, Networks, Tokenizer
-from diffusion.flops import unet_flops
+from diffusion.family import Family, Geometry, Networks, Tokenizer
+from diffusion.flops import program_flops
 from diffusion.generate import Inputs
 from diffusion.sharding import TensorParallel
+from diffusion.tiny_parts import EOS, TEXT_HIDDEN, clip_tokenizer_files, text_config, write_pipeline
 
 # The UNet's transformer blocks split as Megatron splits one (the ResNets and convolutions stay whole).
 UNET_TENSOR_PARALLEL = TensorParallel(columns=(r".*/attn[12]/to_[qkv]", r".*/ff/net_0/proj"),
                                       rows=(r".*/attn[12]/to_out_0", r".*/ff/net_2"),
                                       packed=((r".*/ff/net_0/proj", (1, 1)),))  # GEGLU: hidden, gate
+_TIME_EMBED_DIM = 8  # the tiny SDXL's addition_time_embed_dim (256 in the real model)
+_SD_BETAS = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "num_train_timesteps": 1000}
 
 
 def tokenize(tokenizers: Sequence[Tokenizer], texts: list[str]) -> tuple[np.ndarray, list[bool]]:
@@ -66,3 +70,66 @@ def denoiser_flops(nets: Networks, params: Any, rows: int, height: int, width: i
     factor = nets["vae"].config.scale_factor
     tokens = nets["text_encoder"].config.max_position_embeddings
     return unet_flops(nets["unet"], params["unet"], rows, height // factor, width // factor, tokens)
+
+
+def unet_flops(unet: Any, params: Any, batch: int, latent_height: int, latent_width: int,
+               context_tokens: int) -> float | None:
+    """FLOPs of one call of a UNet (diffusion.nn.unet) on `batch` latents (2 per image with
+    classifier-free guidance) and a context of `context_tokens` positions. Lowered, not
+    compiled: seconds even for SDXL. `params` may be abstract (`jax.eval_shape(unet.init_params, key)`)."""
+    config = unet.config
+    f32 = jnp.float32
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), params)  # no transfers
+    sample = jax.ShapeDtypeStruct((batch, config.in_channels, latent_height, latent_width), f32)
+    context = jax.ShapeDtypeStruct((batch, context_tokens, config.cross_attention_dim), f32)
+    added = None
+    if config.addition_embed_type == "text_time":  # SDXL: pooled text + 6 size conditions
+        time_ids = 6
+        pooled = config.projection_class_embeddings_input_dim - time_ids * config.addition_time_embed_dim
+        added = {"text_embeds": jax.ShapeDtypeStruct((batch, pooled), f32),
+                 "time_ids": jax.ShapeDtypeStruct((batch, time_ids), f32)}
+
+    def call(params: Any, sample: jax.Array, context: jax.Array, added: Any) -> jax.Array:
+        timestep = jnp.full((sample.shape[0],), 999.0, jnp.float32)
+        return unet.apply({"params": params}, sample, timestep, context, added)
+
+    return program_flops(jax.jit(call).lower(params, sample, context, added))
+
+
+def unet_config(kind: str) -> dict[str, Any]:
+    """Two UNet levels (one downsampling) on 8x8 latents; SDXL adds the pooled-text + size conditioning."""
+    config = {"sample_size": 8, "in_channels": 4, "out_channels": 4, "block_out_channels": [32, 64],
+              "layers_per_block": 1, "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"],
+              "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"], "attention_head_dim": [2, 4]}
+    if kind == "sd":
+        return {**config, "cross_attention_dim": TEXT_HIDDEN}
+    return {**config, "cross_attention_dim": 2 * TEXT_HIDDEN,  # both encoders' hidden states, side by side
+            "use_linear_projection": True, "addition_embed_type": "text_time",
+            "addition_time_embed_dim": _TIME_EMBED_DIM,
+            # pooled text_embeds (text_encoder_2's projection_dim) + 6 micro-conditions (sizes and crop)
+            "projection_class_embeddings_input_dim": TEXT_HIDDEN + 6 * _TIME_EMBED_DIM}
+
+
+def vae_config(kind: str) -> dict[str, Any]:
+    """Four blocks, i.e. three downsamplings: vae_scale_factor 8 as in the real SD family."""
+    return {"block_out_channels": [8, 8, 16, 16], "down_block_types": ["DownEncoderBlock2D"] * 4,
+            "up_block_types": ["UpDecoderBlock2D"] * 4, "layers_per_block": 1, "latent_channels": 4,
+            "norm_num_groups": 8, "sample_size": 64, "scaling_factor": 0.18215 if kind == "sd" else 0.13025}
+
+
+def tiny(family: Family, out: pathlib.Path, seed: int) -> None:
+    """The SD families' recipe: CLIP tokenizers and text encoders, a two-level UNet on 8x8
+    latents and a four-block VAE (64x64 native size, VAE scale factor 8)."""
+    kind = family.name
+    vocab = clip_tokenizer_files(out / "tokenizer", pad=EOS)
+    configs = {"text_encoder": text_config(vocab), "unet": unet_config(kind), "vae": vae_config(kind)}
+    scheduler = ({"_class_name": "PNDMScheduler", **_SD_BETAS, "skip_prk_steps": True, "set_alpha_to_one": False,
+                  "steps_offset": 1, "prediction_type": "epsilon"} if kind == "sd" else
+                 # SDXL's own scheduler: Euler, "leading" spacing, steps_offset 1.
+                 {"_class_name": "EulerDiscreteScheduler", **_SD_BETAS, "timestep_spacing": "leading",
+                  "steps_offset": 1, "prediction_type": "epsilon"})
+    if kind == "sdxl":
+        clip_tokenizer_files(out / "tokenizer_2", pad="!")
+        configs["text_encoder_2"] = text_config(vocab, hidden_act="gelu")
+    write_pipeline(out, family, configs, scheduler, seed,
+                   {name: ["transformers", "CLIPTokenizer"] for name in family.tokenizers})

@@ -21,7 +21,6 @@ from diffusion.nn.clip import CLIPTextConfig, CLIPTextModel
 from diffusion.nn.unet import UNet2DConditionModel, UNetConfig
 from diffusion.nn.vae import AutoencoderKL, VAEConfig
 from diffusion.schedulers import Scheduler
-from diffusion.tiny_parts import write_latent_unet_model
 from diffusion.tokenizer import CLIPTokenizer
 
 
@@ -50,7 +49,7 @@ FAMILY = Family(
     generate=generate,
     geometry=latent_unet.geometry,
     denoiser_flops=latent_unet.denoiser_flops,
-    tiny=write_latent_unet_model,
+    tiny=latent_unet.tiny,
     tensor_parallel={"unet": latent_unet.UNET_TENSOR_PARALLEL},
     image_to_image=True,
     inpainting=True,

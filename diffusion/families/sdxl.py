@@ -18,7 +18,6 @@ from diffusion.nn.clip import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithPr
 from diffusion.nn.unet import UNet2DConditionModel, UNetConfig
 from diffusion.nn.vae import AutoencoderKL, VAEConfig
 from diffusion.schedulers import Scheduler
-from diffusion.tiny_parts import write_latent_unet_model
 from diffusion.tokenizer import CLIPTokenizer
 
 
@@ -52,7 +51,7 @@ def generate(nets: Networks, scheduler: Scheduler, static: Static, params: Any, 
 
 FAMILY = Family(
     name="sdxl",
-    pipelines=("StableDiffusionXLPipeline", "FlaxStableDiffusionXLPipeline"),
+    pipelines=("StableDiffusionXLPipeline", "FlaxStableDiffusionXLPipeline", "StableDiffusionXLInpaintPipeline"),
     components={"text_encoder": Component(CLIPTextModel, CLIPTextConfig, "clip"),
                 "text_encoder_2": Component(CLIPTextModelWithProjection, CLIPTextConfig, "clip_projection"),
                 "unet": Component(UNet2DConditionModel, UNetConfig, "unet"),
@@ -63,7 +62,7 @@ FAMILY = Family(
     generate=generate,
     geometry=latent_unet.geometry,
     denoiser_flops=latent_unet.denoiser_flops,
-    tiny=write_latent_unet_model,
+    tiny=latent_unet.tiny,
     tensor_parallel={"unet": latent_unet.UNET_TENSOR_PARALLEL},
     options=((FORCE_ZEROS, True),),
     image_to_image=True,

@@ -23,8 +23,10 @@ The rule (`choose`), GPU and TPU figures unmeasured (no device where it was writ
   Flax UNet 177 / 173 ("heads" copies the (T, S) scores to transpose them on XLA:CPU).
   The CPU pixels in tests/test_reference.py are this path's.
 - CUDA: "cudnn" wherever `cudnn_accepts` (the checks of jax/_src/cudnn/
-  fused_attention_stablehlo.py, head dim capped at 128 as before Hopper): every UNet and
-  CLIP attention of a float16 / bfloat16 job except SD 1.x's 160-wide heads.
+  fused_attention_stablehlo.py, whose head-dim cap reads this machine's GPU: 256 on Hopper
+  and later, else 128): every UNet and CLIP attention of a float16 / bfloat16 job, but for
+  SD 1.x's 160-wide heads where the GPU is older than Hopper or absent (a plan compiled
+  for a GPU target on a machine without one).
 - TPU: "splash" for 128 queries or more (`SPLASH_MIN_QUERIES`): every UNet self- and
   cross-attention down to 256 tokens, and the VAE's. Its blocks are 128-multiples, so the
   77 text keys are padded to 128 and masked (segment ids), head dims padded with zeros to a
@@ -55,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 
@@ -72,7 +75,6 @@ KERNELS = (*LAYOUTS, "chunked", *CUSTOM_KERNELS)
 CHUNK_SCORES = 2 ** 24  # float32 scores per image (64 MiB) beyond which "chunked" replaces "heads"
 SPLASH_MIN_QUERIES = 128  # splash's smallest block
 SPLASH_BLOCK = 512  # splash's query and key blocks where the sequences are that long
-CUDNN_MAX_HEAD_DIM = 128  # jax allows 256 on Hopper and later; the rule may not know the GPU
 
 _kernel: contextvars.ContextVar[str | None] = contextvars.ContextVar("attention_kernel", default=None)
 
@@ -104,13 +106,31 @@ def current_backend() -> str:
     return backend
 
 
+def cudnn_max_head_dim(capability: str | None) -> int:
+    """jax's cap on cuDNN flash attention's head dim for a GPU of compute `capability` ("9.0";
+    None: no GPU): 256 from Hopper (9.0) on, else 128."""
+    return 256 if capability is not None and int(capability.split(".")[0]) >= 9 else 128
+
+
+@functools.cache
+def local_gpu_capability() -> str | None:
+    """This machine's first CUDA GPU's compute capability, None without one: what jax's
+    check reads when it traces cuDNN attention, whatever devices the program is for."""
+    try:
+        device = jax.devices("cuda")[0]
+    except RuntimeError:  # no CUDA backend in this process
+        return None
+    return getattr(device, "compute_capability", None)
+
+
 def cudnn_accepts(q_shape: Sequence[int], k_shape: Sequence[int], dtype: jnp.dtype, causal: bool) -> bool:
     """Whether cuDNN flash attention takes q (B, T, N, H) over k, v (B, S, N, H): jax's checks
-    (float16 / bfloat16, same batch and head dim, head dim a multiple of 8 and at most 128),
-    and causal only for self-attention (its diagonal then needs no convention)."""
+    (float16 / bfloat16, same batch and head dim, head dim a multiple of 8 and at most
+    `cudnn_max_head_dim` of this machine's GPU), and causal only for self-attention (its
+    diagonal then needs no convention)."""
     (b, t, _, h), (bk, s, _, hk) = q_shape, k_shape
     return (jnp.dtype(dtype) in (jnp.float16, jnp.bfloat16) and b == bk and h == hk
-            and h % 8 == 0 and h <= CUDNN_MAX_HEAD_DIM and (not causal or t == s))
+            and h % 8 == 0 and h <= cudnn_max_head_dim(local_gpu_capability()) and (not causal or t == s))
 
 
 def choose(backend: str, q_shape: Sequence[int], k_shape: Sequence[int], dtype: jnp.dtype, causal: bool) -> str:

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from diffusion.nn import read_config, refuse
 from diffusion.nn.attention import attention
-from diffusion.nn.unet import Dtype, LayerNorm
+from diffusion.nn.layers import Dtype, LayerNorm
 
 ACTIVATIONS = {
     "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),  # OpenAI CLIP (SD 1.x, SDXL's first encoder)

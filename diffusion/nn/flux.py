@@ -23,8 +23,7 @@ import numpy as np
 
 from diffusion.nn import read_config, refuse
 from diffusion.nn.attention import attention
-from diffusion.nn.t5 import RMSNorm
-from diffusion.nn.unet import Dtype, FeedForward, LayerNorm, TimestepEmbedding, timestep_embedding
+from diffusion.nn.layers import Dtype, FeedForward, LayerNorm, RMSNorm, TimestepEmbedding, timestep_embedding
 from diffusion.sharding import DATA, concat_packed, constrain
 
 EPS = 1e-6  # every norm of the transformer

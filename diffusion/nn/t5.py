@@ -22,7 +22,7 @@ import numpy as np
 
 from diffusion.nn import read_config, refuse
 from diffusion.nn.attention import attention
-from diffusion.nn.unet import Dtype
+from diffusion.nn.layers import Dtype, RMSNorm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,20 +51,6 @@ class T5Config:
             raise refuse("model_type", self.model_type, "only a T5 encoder's config ('t5')")
         if self.feed_forward_proj != "gated-gelu":
             raise refuse("feed_forward_proj", self.feed_forward_proj, "only T5 v1.1's 'gated-gelu' is implemented")
-
-
-class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * scale over the last axis, statistics in float32: T5's
-    layer norm and torch.nn.RMSNorm (Flux's query and key norms)."""
-
-    eps: float
-    dtype: Dtype = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
-        x = x.astype(jnp.float32)
-        return (x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + self.eps) * scale).astype(self.dtype)
 
 
 def relative_buckets(length: int, num_buckets: int, max_distance: int) -> np.ndarray:

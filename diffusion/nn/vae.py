@@ -17,7 +17,8 @@ import jax.numpy as jnp
 
 from diffusion.nn import read_config, refuse
 from diffusion.nn.attention import attention
-from diffusion.nn.unet import DownBlock2D, Dtype, GroupNorm, ResnetBlock2D, UpBlock2D, conv
+from diffusion.nn.layers import Dtype, GroupNorm, conv
+from diffusion.nn.unet import DownBlock2D, ResnetBlock2D, UpBlock2D
 
 EPS = 1e-6  # every GroupNorm of diffusers' VAE
 

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import jax
 
-from diffusion.schedulers.common import SigmaScheduleConfig
+from diffusion.choices import KARRAS_SCHEDULERS, check_sampler
 from diffusion.schedulers.ddim import DDIMScheduler, DDIMState
 from diffusion.schedulers.dpm import DPMScheduler, DPMState
 from diffusion.schedulers.euler import EulerScheduler, EulerState
@@ -33,9 +33,6 @@ from diffusion.schedulers.flow_euler import FlowMatchEulerScheduler, FlowState
 from diffusion.schedulers.lcm import LCMScheduler, LCMState
 from diffusion.schedulers.lms import LMSScheduler, LMSState
 from diffusion.schedulers.pndm import PNDMScheduler, PNDMState
-from renderfarm.jobs import KARRAS_SCHEDULERS
-from renderfarm.jobs import SCHEDULERS as CONTRACT_SCHEDULERS
-from renderfarm.jobs import check_sampler
 
 __all__ = [
     "CLASS_NAMES",
@@ -60,12 +57,11 @@ __all__ = [
     "make",
 ]
 
-# The job contract's scheduler names (renderfarm.jobs.SCHEDULERS), each the port of a PyTorch class.
+# The model layer's scheduler names (diffusion.choices.SCHEDULERS, in its order), each the port of a
+# PyTorch class.
 SCHEDULER_CLASSES = {cls.name: cls for cls in (PNDMScheduler, DDIMScheduler, LMSScheduler, EulerScheduler, DPMScheduler,
                                          EulerAncestralScheduler, LCMScheduler, FlowMatchEulerScheduler)}
-assert tuple(SCHEDULER_CLASSES) == CONTRACT_SCHEDULERS, "renderfarm.jobs.SCHEDULERS names the schedulers"
-assert KARRAS_SCHEDULERS == tuple(n for n, c in SCHEDULER_CLASSES.items() if issubclass(c, SigmaScheduleConfig))
-# Scheduler classes model folders name (PyTorch's and diffusers' Flax twins) -> the contract's names.
+# Scheduler classes model folders name (PyTorch's and diffusers' Flax twins) -> their names.
 CLASS_NAMES = {prefix + cls.diffusers_class: cls.name for cls in SCHEDULER_CLASSES.values() for prefix in ("", "Flax")}
 
 

@@ -29,7 +29,7 @@ class Configured:
     """A scheduler whose fields are its PyTorch class's `__init__` options, with its defaults,
     made from a model's scheduler config as diffusers' `from_config` does."""
 
-    name: ClassVar[str]  # make()'s name for it: the job contract's (renderfarm.jobs.SCHEDULERS)
+    name: ClassVar[str]  # make()'s name for it, of diffusion.choices.SCHEDULERS
     diffusers_class: ClassVar[str]  # the PyTorch class it ports, as model folders name it
     # A stochastic scheduler's `step` takes a fifth argument: the step's noise, drawn from the
     # job's own key by the generate loop (the reproducibility contract's noise rule).

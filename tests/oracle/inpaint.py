@@ -7,6 +7,7 @@
     inpaint/sd1-inpainting/model       a tiny inpainting checkpoint: sd1's text encoder, tokenizer,
                                        VAE and scheduler with a 9-channel UNet of its own (latents,
                                        mask, masked image's latents), as sd-1.5-inpainting
+    inpaint/sdxl-inpainting/model      the same of sdxl's, as stable-diffusion-xl-1.0-inpainting-0.1
     inpaint/mask.png, mask-small.png   the masks (white repaints), soft-edged so that binarizing
                                        at 0.5 matters: one 64x64 grayscale for init.png, one 36x48
                                        RGB for init-exif.png (72x96 once turned: half its size)
@@ -51,8 +52,9 @@ DEFAULT_STRENGTH = 1.0  # an inpainting job's without one (renderfarm.jobs)
 INPAINTING_SEED = 150  # the 9-channel UNet's weights
 # (model folder relative to data/, scheduler) of each set: a batch on the farm, strengths mixed.
 INPAINTING = "inpaint/sd1-inpainting/model"
+XL_INPAINTING = "inpaint/sdxl-inpainting/model"  # as diffusers/stable-diffusion-xl-1.0-inpainting-0.1
 SETS = (("oracle/sd1/model", "lms"), ("oracle/sd1/model", "euler_a"), ("oracle/sd2/model", "dpm"),
-        (INPAINTING, "pndm"), (INPAINTING, "euler"), ("oracle/sdxl/model", "ddim"))
+        (INPAINTING, "euler"), ("oracle/sdxl/model", "ddim"), (XL_INPAINTING, "pndm"))
 # With 4 steps, strength s starts at loop index 4 - int(4 s): 1.0 -> 0 (from noise alone), 0.8 and
 # 0.75 -> 1, 0.5 -> 2, 0.3 -> 3. A strength of None is the contract's default, 1.0.
 JOBS: tuple[dict[str, Any], ...] = (
@@ -82,19 +84,24 @@ def _masks(root: pathlib.Path) -> None:
     PIL.Image.fromarray(rgb.round().astype(np.uint8)).save(root / "mask-small.png")
 
 
-def _inpainting_model(data: pathlib.Path, folder: pathlib.Path) -> None:
-    """sd1's tiny checkpoint with a 9-channel UNet, saved as an inpainting pipeline and read back."""
-    text = pipelines.load(data / "oracle" / "sd1" / "model", "sd1")
-    components = {**text.components, "unet": pipelines.unet("sd1", INPAINTING_SEED, in_channels=9)}
-    pipe = StableDiffusionInpaintPipeline(**components, requires_safety_checker=False)
-    pipelines.save(pipe, folder, "sd1")
-    pipelines._check_same_weights(_load(folder), pipelines._state(pipe), INPAINTING)
+def _inpainting_model(data: pathlib.Path, family: str, folder: pathlib.Path) -> None:
+    """`family`'s tiny checkpoint (sd1 or sdxl) with a 9-channel UNet, saved as an inpainting
+    pipeline and read back."""
+    text = pipelines.load(data / "oracle" / family / "model", family)
+    components = {**text.components, "unet": pipelines.unet(family, INPAINTING_SEED, in_channels=9)}
+    if family == "sdxl":
+        pipe = StableDiffusionXLInpaintPipeline(**components, requires_aesthetics_score=False,
+                                                force_zeros_for_empty_prompt=True, add_watermarker=False)
+    else:
+        pipe = StableDiffusionInpaintPipeline(**components, requires_safety_checker=False)
+    pipelines.save(pipe, folder, family)
+    pipelines._check_same_weights(_load(folder), pipelines._state(pipe), str(folder))
 
 
 def _load(folder: pathlib.Path) -> StableDiffusionInpaintPipeline | StableDiffusionXLInpaintPipeline:
     """A checkpoint's inpaint pipeline: the XL one for an SDXL folder (requires_aesthetics_score off, as
     for a base model, and no watermark)."""
-    if json.loads((folder / "model_index.json").read_text())["_class_name"] == "StableDiffusionXLPipeline":
+    if json.loads((folder / "model_index.json").read_text())["_class_name"].startswith("StableDiffusionXL"):
         pipe = StableDiffusionXLInpaintPipeline.from_pretrained(folder, torch_dtype=torch.float32,
                                                                 add_watermarker=False)
     else:
@@ -125,7 +132,8 @@ def write(data: pathlib.Path) -> None:
     """Rebuild data/inpaint (see the module docstring)."""
     root = emptied(data, "inpaint")
     _masks(root)
-    _inpainting_model(data, data / INPAINTING)
+    _inpainting_model(data, "sd1", data / INPAINTING)
+    _inpainting_model(data, "sdxl", data / XL_INPAINTING)
     records: list[dict[str, Any]] = []
     for model, scheduler in SETS:
         pipe = _load(data / model)
@@ -139,7 +147,8 @@ def write(data: pathlib.Path) -> None:
                 init_image=job["init_image"], mask_image=job["mask_image"], strength=job["strength"],
                 in_channels=pipe.unet.config.in_channels))
     write_jobs(root, "StableDiffusionInpaintPipeline on the tiny checkpoints (4-channel sd1 and sd2 UNets, and "
-                     "inpaint/sd1-inpainting's 9-channel one), StableDiffusionXLInpaintPipeline on sdxl's (4-channel), "
+                     "inpaint/sd1-inpainting's 9-channel one), StableDiffusionXLInpaintPipeline on sdxl's (4-channel) "
+                     "and inpaint/sdxl-inpainting's (9-channel), "
                      "float32, CPU, batch size 1, with the contract's noises (tests/oracle/inpaint.py); strength null: "
                      "the contract's default, 1.0 (given to the XL pipeline, whose own is 0.9999); paths relative to "
                      "tests/data.",
