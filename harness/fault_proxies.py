@@ -46,6 +46,7 @@ class Rule:
     pattern: str
     hold: bool = False  # keep them waiting until `release()`
     status: int | None = None  # answer this instead of forwarding
+    landed: bool = False  # with status: forward first (the write lands), then answer status
     times: int | None = None  # apply to this many requests, then stop (None: until removed)
     method: str | None = None  # only requests of this HTTP method (None: any)
     after: Callable[[Seen], None] | None = None  # run once the emulator answered, before the worker hears
@@ -100,6 +101,8 @@ class GcsProxy:
                     rule.held.set()
                     rule.go.wait()
                 if rule is not None and rule.status is not None:
+                    if rule.landed:  # an answer lost on the way back: the worker hears a failure
+                        proxy._forward(self.command, self.path, self.headers, body)
                     self._reply(rule.status, {"Content-Type": "application/json"},
                                 json.dumps({"error": {"code": rule.status, "message": "injected"}}).encode())
                     return

@@ -368,16 +368,21 @@ def test_store_failures_are_requeued_never_leaked_and_jobs_are_told_apart_by_cam
     failing_png = proxy.add(Rule(r"^out/twin-a/", status=403, times=1))
     # Two batches whose manifest parts cannot be written at first (403: not retried).
     failing_manifest = proxy.add(Rule(r"^out/leak/manifest/", status=403, times=2))
+    # A batch whose manifest part lands but whose answer is lost: the worker hears 403 and puts
+    # the jobs back, its attempts refunded; they come back and find themselves stored.
+    lost_answer = proxy.add(Rule(r"^out/landed/manifest/", status=403, times=1, landed=True))
     enqueue(app, progress, twins + fillers)
     leak = enqueue(app, progress, jobs(model, "leak", 16, seed=300))
+    landed = enqueue(app, progress, jobs(model, "landed", 8, seed=400))
     start_worker(model, "leaky")
-    for campaign, n in (("twin-a", 1), ("twin-b", 7), ("leak", 16)):
+    for campaign, n in (("twin-a", 1), ("twin-b", 7), ("leak", 16), ("landed", 8)):
         status = wait_done(progress, campaign, n)
         assert (status["done"], status["failed"]) == (n, 0), campaign
-    assert failing_png.matched == 1 and failing_manifest.matched == 2
+    assert failing_png.matched == 1 and failing_manifest.matched == 2 and lost_answer.matched == 1
     assert_exactly_once([twins[0]])
     assert_exactly_once([twins[1], *fillers])
     assert_exactly_once(leak)
+    assert_exactly_once(landed)  # its manifest lines once, though the worker heard they failed
     assert attempts(r, [twins[1]]) == [1] and attempts(r, [twins[0]]) == [1]  # storage failures do not count
     wait_for(lambda: r.hlen("unacked") == 0, 30, "every message settled")  # none held forever
 

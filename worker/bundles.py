@@ -50,6 +50,12 @@ class Job:
         return self.spec.campaign
 
     @property
+    def redelivered(self) -> bool:
+        """Whether its message came back to the queue before (put back by a worker, or restored
+        after the visibility timeout): a worker may have stored it, its attempt refunded."""
+        return bool((self.request.delivery_info or {}).get("redelivered"))
+
+    @property
     def ident(self) -> tuple[str, str]:
         """A job is a spec in a campaign: the same spec in two campaigns is two jobs."""
         return self.spec.campaign, self.spec.job_id

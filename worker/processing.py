@@ -99,7 +99,8 @@ class Processor:
 
     def _admit(self, bundle: Bundle) -> None:
         """Skip cancelled campaigns' jobs; count attempts; a job whose sidecar is stored
-        already (its worker died before the ack) is not rendered again."""
+        already (its worker died before the ack, or put it back unsure whether its store had
+        landed) is not rendered again."""
         try:
             cancelled = self.progress.cancelled_among({job.campaign for job in bundle.jobs})
             attempts = self.progress.started(job.ident for job in bundle.jobs if job.campaign not in cancelled)
@@ -113,7 +114,7 @@ class Processor:
                 self.outcomes.skipped(bundle.release(job))
                 continue
             job.attempt = next(counted)
-            if job.attempt > 1:  # its last worker may have stored it and died before the ack
+            if job.attempt > 1 or job.redelivered:  # its last worker may have stored it
                 try:
                     record = self._stored_sidecar(job)
                 except Exception as err:  # noqa: BLE001 - storage away: try again later
