@@ -58,10 +58,10 @@ TEST_PROCESSES ?= 3
 test: $(BIN)/.installed system-packages
 	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) --durations=25
 
-# A change's inner loop: everything but the farm's worker processes, the oracle's renders, Chromium
-# and the compiles for other accelerators.
+# A change's inner loop: everything but the farm's worker processes, the oracle's renders, Chromium,
+# the compiles for other accelerators and the benchmarks' smoke runs.
 check: $(BIN)/.installed system-packages
-	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) -m "not farm and not oracle and not browser and not target"
+	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) -m "not farm and not oracle and not browser and not target and not bench"
 
 system-packages:
 	@command -v redis-server >/dev/null && command -v chromium >/dev/null || \

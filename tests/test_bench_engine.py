@@ -60,6 +60,7 @@ PEER_PYTHON = (sys.executable if importlib.util.find_spec("torch") and importlib
                else str(ORACLE_PYTHON) if ORACLE_PYTHON.is_file() else None)
 
 
+@pytest.mark.bench  # three families compiled and timed, with diffusers beside them: left out of make check
 def test_smoke_prints_sane_figures(tmp_path: Path) -> None:
     """Ours for the three families, and diffusers' pipelines on the same folders beside them
     where torch is installed (one run: the smoke is the slow part)."""
