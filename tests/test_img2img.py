@@ -5,7 +5,7 @@
 the tiny SD 1.x, 2.x and XL checkpoints, an init image (one stored sideways with an EXIF
 orientation) and a strength, with the contract's two noises. Here the farm renders each set as
 one batch, strengths mixed, in one program: within 2/255 of PyTorch's. And the contract's
-rules: the id follows the image's content, a bad strength or image is refused naming it.
+rules: the id follows the image's content, a bad strength, image or mask field is refused naming it.
 """
 
 from __future__ import annotations
@@ -93,8 +93,16 @@ def test_a_text_jobs_id_is_unchanged_and_an_image_jobs_follows_its_pixels(tmp_pa
     ({"init_image": "x.png", "strength": 1.5}, "strength", r"0\.\.1"),
     ({"init_image": "x.png", "strength": 0.2, "steps": 4}, "strength", r"int\(steps \* strength\)"),
     ({"init_image": "x.png", "init_image_sha256": "abc"}, "init_image_sha256", "64 lowercase hex"),
+    # inpainting's mask
+    ({"mask_image": "m.png"}, "mask_image", "needs an init_image"),
+    ({"init_image": "x.png", "mask_image_sha256": "0" * 64}, "mask_image_sha256", "needs a mask_image"),
+    ({"init_image": "x.png", "mask_image": "m.png", "mask_image_sha256": "ABC"}, "mask_image_sha256",
+     "64 lowercase hex"),
+    ({"init_image": "x.png", "mask_image": " "}, "mask_image", "must not be empty"),
+    ({"init_image": "x.png", "mask_image": "m.png", "strength": 1.5}, "strength", r"0\.\.1"),
+    ({"init_image": "x.png", "mask_image": "m.png", "strength": 0}, "strength", r"\(0, 1\]"),
 ])
-def test_bad_image_fields_are_refused_naming_field_and_rule(fields: dict, field: str, rule: str) -> None:
+def test_bad_image_and_mask_fields_are_refused_naming_field_and_rule(fields: dict, field: str, rule: str) -> None:
     with pytest.raises(JobError, match=rule) as err:
         parse_job({"prompt": "a fox", "model": "m", "seed": 1, **fields})
     assert err.value.field == field

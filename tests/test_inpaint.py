@@ -6,8 +6,8 @@ tiny SD 1.x, 2.x and XL checkpoints (4-channel UNets: masked latent blending) an
 SD 1.x and XL inpainting UNets (latents, mask and masked image's latents in), an init image, a soft-edged mask
 and a strength (the contract's default 1.0 among them), with the contract's noises. Here the farm
 renders each set as one batch, strengths mixed, in one program: within 2/255 of PyTorch's. And the
-contract's rules: the id follows the mask's content, a mask that does not fit its image, a mask
-without an image, a model that cannot inpaint are refused naming the field.
+contract's rules: the id follows the mask's content, a mask that does not fit its image and a
+model that cannot inpaint are refused naming the field (bad mask fields: tests/test_img2img.py).
 """
 
 from __future__ import annotations
@@ -110,21 +110,6 @@ def test_an_inpainting_job_defaults_to_strength_1_and_its_id_follows_the_mask(tm
     assert check_init_image(parse_job({**fields, "mask_image": str(copy)}), 64).job_id != here.job_id
     half = check_init_image(parse_job({**fields, "mask_image": str(SMALL_MASK), "strength": 0.5}), 64)
     assert half.strength == 0.5 and half.job_id != here.job_id
-
-
-@pytest.mark.parametrize(("fields", "field", "rule"), [
-    ({"mask_image": "m.png"}, "mask_image", "needs an init_image"),
-    ({"init_image": "x.png", "mask_image_sha256": "0" * 64}, "mask_image_sha256", "needs a mask_image"),
-    ({"init_image": "x.png", "mask_image": "m.png", "mask_image_sha256": "ABC"}, "mask_image_sha256",
-     "64 lowercase hex"),
-    ({"init_image": "x.png", "mask_image": " "}, "mask_image", "must not be empty"),
-    ({"init_image": "x.png", "mask_image": "m.png", "strength": 1.5}, "strength", r"0\.\.1"),
-    ({"init_image": "x.png", "mask_image": "m.png", "strength": 0}, "strength", r"\(0, 1\]"),
-])
-def test_bad_mask_fields_are_refused_naming_field_and_rule(fields: dict, field: str, rule: str) -> None:
-    with pytest.raises(JobError, match=rule) as err:
-        parse_job({"prompt": "a fox", "model": "m", "seed": 1, **fields})
-    assert err.value.field == field
 
 
 def test_a_missing_misshapen_or_non_image_mask_is_refused_at_the_producer(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from renderfarm.flags import broker_flag, job_defaults, job_flags, weights_flags
 from renderfarm.jobs import SCHEDULERS, SPACINGS, JobError, parse_loras
+from worker.plan import JOB_FIELDS
 
 if TYPE_CHECKING:
     from diffusion.models import LoadedModel
@@ -22,9 +23,7 @@ if TYPE_CHECKING:
 SHAPE_RE = re.compile(r"(\d+)x(\d+)@(\d+)((?::[\w-]+)*)")
 CFG_FREE = "cfg-free"  # a --precompile option: the program of jobs with guidance <= 1
 KARRAS = "karras"  # a --precompile option: Karras sigmas
-# --precompile options for image jobs' programs, and the placeholder job fields that pick them
-# (the program's shapes are the job's size; strength is an input, not a shape)
-IMAGE_JOBS = {"img2img": {"init_image": "-", "strength": 1.0}, "inpaint": {"init_image": "-", "mask_image": "-"}}
+IMAGE_JOBS = {kind: fields for kind, fields in JOB_FIELDS.items() if fields}  # --precompile options
 SHAPE_RULE = (f"must be WIDTHxHEIGHT@STEPS[:SCHEDULER][:SPACING][:{KARRAS}][:{CFG_FREE}][:img2img|:inpaint], "
               f"comma-separated (schedulers {', '.join(SCHEDULERS)}; spacings {', '.join(SPACINGS)})")
 

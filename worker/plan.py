@@ -38,7 +38,10 @@ if TYPE_CHECKING:
     from diffusion.targets import Target
     from worker.engine import Engine, ShapeKey
 
-JOB_KINDS = ("text", "img2img", "inpaint")  # --job: what a program renders
+# What a program renders (plan's --job; a worker's --precompile option), and the placeholder
+# job fields that pick its program: an image job's shapes are its size, its strength an input.
+JOB_FIELDS: dict[str, dict[str, Any]] = {"text": {}, "img2img": {"init_image": "-", "strength": 1.0},
+                                         "inpaint": {"init_image": "-", "mask_image": "-"}}
 UTILISATION = 0.5  # the share of the peak a worker should reach (docs/performance.md, "What a model costs per image on a chip")
 ERROR_LINES = 6  # of a compiler's error kept in the report
 log = logging.getLogger(__name__)
@@ -163,7 +166,7 @@ def make_plan(ref: str, target_name: str, size: tuple[int, int] | None = None, s
               memory_per_chip: int | None = None, job: str = "text") -> Plan:
     """Compile `ref`'s programs for target `target_name` at one job shape, a program per
     guidance scale given (on or off; None: the family's default), and say what each needs per
-    chip; `job` is one of JOB_KINDS (text to image, image to image, inpainting). `model_parallel` None takes the split `auto` chooses; `memory_per_chip` replaces the
+    chip; `job` is one of JOB_FIELDS (text to image, image to image, inpainting). `model_parallel` None takes the split `auto` chooses; `memory_per_chip` replaces the
     target's memory."""
     from diffusion.architectures import abstract_model
     from diffusion.sharding import choose_model_parallel
@@ -191,9 +194,8 @@ def make_plan(ref: str, target_name: str, size: tuple[int, int] | None = None, s
         raise JobError("model", ref, f"{auto_error}: nothing to compile for {chosen.name}")
     width, height = size or (model.native_size, model.native_size)
     # the job contract's rules (sizes, steps, guidance, scheduler, image jobs), as a job of this
-    # shape meets them; an image job's images are placeholders (a program's shapes are the job's)
-    images = {"text": {}, "img2img": {"init_image": "-", "strength": 1.0},
-              "inpaint": {"init_image": "-", "mask_image": "-"}}[job]
+    # shape meets them
+    images = JOB_FIELDS[job]
     specs = [parse_job({"prompt": "-", "model": ref, "seed": 0, "width": width, "height": height, "steps": steps,
                         "guidance_scale": scale, "scheduler": scheduler, "dtype": dtype, **images},
                        size_step=model.size_step) for scale in guidance or (model.family.default_guidance,)]
@@ -381,7 +383,7 @@ def register(sub: argparse._SubParsersAction, model_parallel: Callable[[str], in
                       help="guidance scales: a program each for guidance on (> 1) and off (default: the family's "
                            "own, 7.5 for SD, 3.5 for Flux)")
     plan.add_argument("--scheduler", help="the job's scheduler (default: the model's own)")
-    plan.add_argument("--job", choices=JOB_KINDS, default="text",
+    plan.add_argument("--job", choices=tuple(JOB_FIELDS), default="text",
                       help="the jobs' kind: text to image, image to image or inpainting (default text); an image "
                            "job's program runs every step, as a strength-1 job does")
     plan.add_argument("--dtype", default="bfloat16", help="float32 or bfloat16 (default bfloat16)")

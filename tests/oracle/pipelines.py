@@ -8,7 +8,7 @@
     oracle/<name>/<scheduler>-64x128/<i>.png     the non-square set (width 64, height 128): sd1 and
                                                  sdxl (whose size ids see it), euler only
     oracle/<name>/<variant>/<scheduler>/<i>.png  reference images of the fp16/bf16 weights, upcast (one
-                                                 scheduler: VARIANT_SCHEDULER)
+                                                 scheduler: VARIANTS)
     oracle/<name>/jobs.json                      every job: its fields, model folder, variant, image
     oracle/sd1-sharded/model/       the sd1 float32 weights again, sharded (index json + shards);
                                     its jobs.json points at sd1's images (same weights, same pixels)
@@ -68,8 +68,8 @@ NATIVE = (64, 64)  # (width, height): unet sample_size 8 x vae_scale_factor 8
 NON_SQUARE = (64, 128)  # (width, height): another compiled shape; latents (1, 4, 16, 8)
 MAX_LENGTH = 77
 # The extra weight formats: sd1 in float16, sdxl in bfloat16, beside the float32 files.
-VARIANTS = {"sd1": ("fp16", torch.float16), "sdxl": ("bf16", torch.bfloat16)}
-VARIANT_SCHEDULER = {"sd1": "dpm", "sdxl": "euler"}
+# (variant, its dtype, the one scheduler its references render with) per family that has one
+VARIANTS = {"sd1": ("fp16", torch.float16, "dpm"), "sdxl": ("bf16", torch.bfloat16, "euler")}
 SHARD_SIZE = "50KB"  # sd1-sharded: the unet, vae and text encoder each in several shards
 
 # One compiled batch on the farm: same model, scheduler, size and steps; everything else varies.
@@ -445,7 +445,8 @@ def _job_sets(family: str) -> list[tuple[str | None, str, tuple[int, int]]]:
         sets.append((None, "euler", NON_SQUARE))
         # A variant changes the weights the loader reads, not the loop: one scheduler each (the
         # schedulers' arithmetic is held to PyTorch's by tests/test_schedulers.py).
-        sets.append((VARIANTS[family][0], VARIANT_SCHEDULER[family], NATIVE))
+        variant, _, scheduler = VARIANTS[family]
+        sets.append((variant, scheduler, NATIVE))
     return sets
 
 
@@ -529,7 +530,7 @@ def write_family(root: pathlib.Path, family: str, log=print) -> None:
     save(pipe, folder, family)
     expected = {None: _state(pipe)}
     if family in VARIANTS:
-        variant, dtype = VARIANTS[family]
+        variant, dtype, _ = VARIANTS[family]
         save_variant(pipe, folder, family, variant, dtype)
         expected[variant] = {
             key: value.to(dtype).to(torch.float32) if value.is_floating_point() else value

@@ -194,18 +194,24 @@ def pipeline_config(source: str, overrides: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
+def pipeline_step(scheduler: Any, latents: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """One step of the pipelines' loop with the fake UNet: scale_model_input, the model, and step
+    with the pipeline's extra kwargs (eta = 0 for DDIM)."""
+    parameters = set(inspect.signature(scheduler.step).parameters)
+    extra = {k: v for k, v in (("eta", 0.0), ("generator", None)) if k in parameters}
+    model_input = scheduler.scale_model_input(latents, t)
+    return scheduler.step(fake_model(model_input, t), t, latents, **extra, return_dict=False)[0]
+
+
 def run(cls: type, config: dict[str, Any], steps: int, noise: np.ndarray) -> tuple[dict[str, Any], np.ndarray]:
     """The pipeline's denoising loop; returns the timesteps, init_noise_sigma and every sample."""
     scheduler = cls.from_config(config)
     scheduler.set_timesteps(steps)
     latents = torch.from_numpy(noise) * scheduler.init_noise_sigma
-    parameters = set(inspect.signature(scheduler.step).parameters)
-    extra = {k: v for k, v in (("eta", 0.0), ("generator", None)) if k in parameters}
     trajectory = []
     with seeded_noise(scheduler, 0):  # the whole sample as one job (tests/test_schedulers.py draws the same)
         for t in scheduler.timesteps:
-            model_input = scheduler.scale_model_input(latents, t)
-            latents = scheduler.step(fake_model(model_input, t), t, latents, **extra, return_dict=False)[0]
+            latents = pipeline_step(scheduler, latents, t)
             trajectory.append(latents.numpy())
     result = {"timesteps": [float(t) for t in scheduler.timesteps],
               "init_noise_sigma": float(scheduler.init_noise_sigma)}
@@ -226,12 +232,9 @@ def run_image(cls: type, config: dict[str, Any], steps: int, start: int, seed: i
         latents = noise * scheduler.init_noise_sigma
     else:
         latents = scheduler.add_noise(image, noise, timesteps[:1])
-    parameters = set(inspect.signature(scheduler.step).parameters)
-    extra = {k: v for k, v in (("eta", 0.0), ("generator", None)) if k in parameters}
     with seeded_noise(scheduler, seed):
         for k, t in enumerate(timesteps):
-            model_input = scheduler.scale_model_input(latents, t)
-            latents = scheduler.step(fake_model(model_input, t), t, latents, **extra, return_dict=False)[0]
+            latents = pipeline_step(scheduler, latents, t)
             if mask is not None:  # StableDiffusionInpaintPipeline's blend for a 4-channel UNet
                 kept = image
                 if k < len(timesteps) - 1:
