@@ -222,7 +222,7 @@ class Bare:
                          width=SIZE, height=SIZE) for i in range(engine.batch_size)]
         key = engine.check(specs[0])
         self.program, self.batch_size = engine.compiled(key), engine.batch_size
-        inputs, _ = engine._inputs(key, specs)  # noqa: SLF001 - the bare call, on purpose
+        inputs, _ = engine.inputs(key, specs)
         self.args = (engine._params, inputs)  # noqa: SLF001
         jax.block_until_ready(self.program(*self.args))  # warm
 

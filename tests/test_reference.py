@@ -5,8 +5,9 @@ transformers' PyTorch classes (SD 1.x, SD 2.x with v-prediction, SDXL), saved th
 diffusers folders (safetensors: float32, an fp16 and a bf16 variant, a sharded copy) and
 rendered reference images with StableDiffusionPipeline / StableDiffusionXLPipeline for every
 scheduler, from the contract's latents. Here the farm loads each checkpoint with its own
-code (no torch) and renders the same jobs in batches of eight on eight devices: every image
-must be within 2/255 per channel of PyTorch's.
+code (no torch) and renders the same jobs in the engine's batches of eight, each network compiled
+once and the loop run step by step (tests/stepwise.py): every image must be within 2/255 per
+channel of PyTorch's. tests/test_engine.py holds the fused program to the same references.
 """
 
 from __future__ import annotations

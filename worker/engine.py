@@ -403,7 +403,7 @@ class Engine:
             for spec in specs:
                 self.init_images.fetch(spec, key.width, key.height)
 
-    def _inputs(self, key: ShapeKey, jobs: list[JobSpec]) -> tuple[Any, list[bool]]:
+    def inputs(self, key: ShapeKey, jobs: list[JobSpec]) -> tuple[Any, list[bool]]:
         """The family's inputs of a padded batch, sharded over the devices (whatever the pytree);
         an image batch's with each job's init image and mask (read ahead: `prefetch`) and start step."""
         padded = jobs + [jobs[-1]] * (self.batch_size - len(jobs))
@@ -419,7 +419,7 @@ class Engine:
 
     def dispatch(self, key: ShapeKey, jobs: list[JobSpec]) -> tuple[Output, list[bool]]:
         """Start one batch on the devices; returns at once (JAX dispatch is asynchronous)."""
-        inputs, truncated = self._inputs(key, jobs)
+        inputs, truncated = self.inputs(key, jobs)
         return self.compiled(key)(self._params, inputs), truncated
 
     def prepare(self, specs: Sequence[JobSpec]) -> list[tuple[ShapeKey, list[int]]]:
