@@ -181,11 +181,12 @@ def test_worker_stores_on_the_store_threads_it_is_given(farm: Farm, bucket: Stor
 def test_per_device_batch_2_keeps_the_reproducibility_contract(cli: Cli, tmp_path: Path) -> None:
     """`--per-device-batch 2` is how a host with memory to spare renders more at once: its
     batches of 16 on 8 devices must give the images diffusers' PyTorch pipeline gives, and
-    those of per-device batch 1. The oracle's eight Euler jobs, each twice (in two
+    those of per-device batch 1. The oracle's eight DPM jobs, each twice (in two
     campaigns), go in batches of 16 (one of the guided jobs, one of the cfg-free ones):
-    each job in two positions."""
+    each job in two positions. (Per-device batch 1 runs the programs tests/test_engine.py
+    compiles for the same jobs, from the session's compile cache.)"""
     model = ORACLE / "sd1" / "model"
-    reference = BATCHES[("sd1/model", None, "euler", 64, 64)]  # SD 1.x: every job is representable
+    reference = BATCHES[("sd1/model", None, "dpm", 64, 64)]  # SD 1.x: every job is representable
     lines = tmp_path / "jobs.jsonl"
     lines.write_text("".join(
         json.dumps({"prompt": job["prompt"], "negative_prompt": job["negative_prompt"] or "", "seed": job["seed"],
