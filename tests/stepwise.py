@@ -9,8 +9,9 @@ calls (`apply` on a text encoder, the denoiser, the VAE's encode and decode) is 
 runs as a program of its own, compiled once per model and input shapes. Every scheduler of a
 model then reuses the same compiled denoiser.
 
-What this leaves out is the fused program itself; tests/test_engine.py, the render commands'
-tests and the farm's tests hold that to the same references end to end.
+What this leaves out is the fused program itself; tests/test_engine.py and the render commands'
+tests (tests/test_promises.py's per-device batch 2 among them) hold that to the same references
+end to end.
 """
 
 from __future__ import annotations
