@@ -4,8 +4,8 @@ dense bfloat16 peak, beside published figures.
 
 Everything comes from the families themselves, no weights and no network: the architectures are
 diffusion/architectures/*.json (`diffusion.architectures.abstract_model`), the program is the
-engine's own generate program for one image on one device (`diffusion.placement.lower_generate`,
-as `renderfarm plan` lowers it), counted by XLA (`cost_analysis` of the lowered program). XLA
+engine's own programs for one image on one device (`diffusion.placement.lower_encode` and
+`lower_generate`, as `renderfarm plan` lowers them), counted by XLA (`cost_analysis` of the lowered program). XLA
 counts the denoising loop's body once, so the other steps are added from the family's own
 denoiser count (`Family.denoiser_flops`), as the engine and plan do. The chips are
 diffusion/targets.py's `TARGETS`, whose peaks come from its one table of chips by JAX device
@@ -37,7 +37,7 @@ from diffusion.architectures import ARCHITECTURES, abstract_model  # noqa: E402
 from diffusion.flops import peak_flops, program_flops  # noqa: E402
 from diffusion.generate import Static  # noqa: E402
 from diffusion.models import LoadedModel  # noqa: E402
-from diffusion.placement import lower_generate, make_placement  # noqa: E402
+from diffusion.placement import by_program, encoded_shapes, lower_encode, lower_generate, make_placement  # noqa: E402
 from diffusion.schedulers import make  # noqa: E402
 from diffusion.sharding import choose_model_parallel  # noqa: E402
 from diffusion.targets import TARGETS  # noqa: E402
@@ -83,27 +83,32 @@ class Cost:
         return self.rest + steps * self.step
 
 
-def lowered(model: LoadedModel, size: int, steps: int, batch: int = 1) -> jax.stages.Lowered:
-    """The engine's program for `batch` images of `model` on one device, lowered from shapes."""
+def lowered(model: LoadedModel, size: int, steps: int, batch: int = 1) -> tuple[jax.stages.Lowered, jax.stages.Lowered]:
+    """The engine's two programs for `batch` images of `model` on one device, lowered from
+    shapes: the text encoders' and the generate program."""
     family = model.family
     placement = make_placement(jax.devices("cpu")[:1], 1)
     guided = family.classifier_free and family.default_guidance > 1
     scheduler = make(model.default_scheduler, model.configs["scheduler"])
-    return lower_generate(family, model.networks, scheduler, Static(size, size, steps, guided), placement,
-                          placement.abstract(family, model.params), model.abstract_inputs(batch, placement.batch))
+    text, weights = by_program(family, placement.abstract(family, model.params))
+    inputs = model.abstract_inputs(batch, placement.batch)
+    encoded = encoded_shapes(family, model.networks, guided, placement, text, inputs)
+    return (lower_encode(family, model.networks, guided, placement, text, inputs),
+            lower_generate(family, model.networks, scheduler, Static(size, size, steps, guided), placement, weights,
+                           inputs, encoded))
 
 
 def cost(name: str) -> Cost:
-    """XLA's FLOPs of `name`'s program at its native size, split into a step and the rest."""
+    """XLA's FLOPs of `name`'s programs at its native size, split into a step and the rest."""
     model = abstract_model(name, "float32")
     size = model.native_size
     guided = model.family.classifier_free and model.family.default_guidance > 1
-    program = program_flops(lowered(model, size, STEPS[name][0]))
+    counts = [program_flops(program) for program in lowered(model, size, STEPS[name][0])]
     step = model.family.denoiser_flops(model.networks, model.params, 2 if guided else 1, size, size)
-    if program is None or step is None:
+    if None in counts or step is None:
         raise SystemExit(f"{name}: XLA gave no FLOP count on this backend")
     parameters = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(model.params))
-    return Cost(name, size, guided, step, program - step, parameters)
+    return Cost(name, size, guided, step, sum(counts) - step, parameters)
 
 
 def print_costs(costs: list[Cost]) -> None:
@@ -165,7 +170,8 @@ def memory(names: list[str], dtype: str = "float32", batches: tuple[int, int] = 
         for batch in batches:
             started = time.perf_counter()
             with use_kernel("chunked"):
-                temps[batch] = lowered(model, size, steps, batch).compile().memory_analysis().temp_size_in_bytes
+                # the generate program's: the text encoders' holds far less
+                temps[batch] = lowered(model, size, steps, batch)[1].compile().memory_analysis().temp_size_in_bytes
             print(f"  {name} {size}x{size} batch {batch}: XLA temp {temps[batch] / 1e9:.3f} GB "
                   f"(compiled in {time.perf_counter() - started:.0f} s)", flush=True)
         weights = 2 * sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(model.params))

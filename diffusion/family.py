@@ -1,5 +1,6 @@
 """What a model family is: the components a pipeline folder holds, its tokenizers and the
-inputs it makes of a batch's jobs, the pipeline classes it answers to, how it generates, the
+inputs it makes of a batch's jobs, the pipeline classes it answers to, how it encodes a batch's
+texts and how it generates from them, the
 image sizes it renders, what a denoiser call costs, what its LoRAs may change, how its weights
 split over devices, and how a tiny random model of it is built. The loader, the engine and the
 device program use nothing else of a family: they pass its inputs along without looking
@@ -71,7 +72,13 @@ class Family:
     pipelines: tuple[str, ...]  # model_index.json `_class_name`s (PyTorch and Flax)
     components: Mapping[str, Component]
     tokenizers: Mapping[str, Callable[[Path], Tokenizer]]  # folder -> its loader, one per text encoder, in order
-    generate: Callable[..., Any]  # (networks, scheduler, static, params, inputs) -> Output
+    text_encoders: tuple[str, ...]  # the components `encode` runs (and nothing else does)
+    # (networks, the text encoders' params, the batch's text inputs, guided) -> what they encode, a
+    # pytree whose leading axis is the batch: a program of its own, run once a batch, so the text
+    # encoders are compiled once for every shape (diffusion.placement.lower_encode)
+    encode: Callable[[Networks, Any, Any, bool], Any]
+    # (networks, scheduler, static, the other components' params, inputs, encoded) -> Output
+    generate: Callable[..., Any]
     # (tokenizers, prompts, negative prompts, seeds, guidance scales) -> (the batch's inputs of
     # `generate`: a pytree of numpy arrays, leading axis the batch; which prompts were cut)
     inputs: Callable[[Sequence[Tokenizer], Sequence[str], Sequence[str], Sequence[int], Sequence[float]],

@@ -60,6 +60,11 @@ class ImageInputs(NamedTuple):
         return self.text.guidance
 
 
+def text_inputs(inputs: Any) -> Any:
+    """What a family's `encode` takes of a batch's inputs: an image batch's `text`, else all of them."""
+    return inputs.text if isinstance(inputs, ImageInputs) else inputs
+
+
 class ImageLatents(NamedTuple):
     """What an image job's loop starts from (`image_latents`)."""
 

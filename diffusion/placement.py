@@ -1,5 +1,5 @@
 """Where a model runs: the one decision of which devices hold which part of its weights, and
-the program that renders a batch there. The loader (diffusion/models.py) places the weights
+the programs that render a batch there (the text encoders', then the shape's). The loader (diffusion/models.py) places the weights
 with it, the engine (worker/engine.py) compiles and runs the programs with it, and a plan for
 a machine that is not here compiles the same programs for a target's devices (a TPU
 topology's, from `jax.experimental.topologies`) with shapes in place of weights.
@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from diffusion.errors import ModelError
 from diffusion.family import Family, Networks
 from diffusion.generate import Static
-from diffusion.nn.attention import for_backend
+from diffusion.nn.attention import for_backend, recording
 from diffusion.schedulers import Scheduler
 from diffusion.sharding import DATA, MODEL, interleaved, weight_specs
 
@@ -106,15 +106,51 @@ def make_placement(devices: Sequence[jax.Device], model_parallel: int) -> Placem
     return Placement(Mesh(grid, (DATA, MODEL)))
 
 
+def by_program(family: Family, params: Any) -> tuple[Any, Any]:
+    """`params` ({component: tree}) as the two programs take them: the text encoders' (the
+    encode program's), and the other components' (the generate program's)."""
+    text = set(family.text_encoders)
+    return ({name: tree for name, tree in params.items() if name in text},
+            {name: tree for name, tree in params.items() if name not in text})
+
+
+def lower_encode(family: Family, networks: Networks, guided: bool, placement: Placement, params: Any,
+                 inputs: Any) -> jax.stages.Lowered:
+    """The family's text encoders on a batch, lowered for the placement's devices: `params` the
+    text encoders' weights (`by_program`), placed or their `abstract` shapes, `inputs` the batch's
+    text inputs (generate.text_inputs). One program for every shape of a guidance kind."""
+    return _lower(partial(_encode, family, networks, guided), placement, params, inputs)
+
+
+def encoded_shapes(family: Family, networks: Networks, guided: bool, placement: Placement, params: Any,
+                   inputs: Any) -> Any:
+    """What `lower_encode`'s program returns, as shapes sharded as `placement.batch`: the
+    generate program's last argument where none is encoded yet."""
+    with recording():  # traced for shapes only: its attentions are the encode program's, not the caller's
+        shapes = jax.eval_shape(partial(_encode, family, networks, guided), params, inputs)
+    return jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=placement.batch), shapes)
+
+
 def lower_generate(family: Family, networks: Networks, scheduler: Scheduler, static: Static,
-                   placement: Placement, params: Any, inputs: Any) -> jax.stages.Lowered:
+                   placement: Placement, params: Any, inputs: Any, encoded: Any) -> jax.stages.Lowered:
     """The family's generate program for one shape, lowered for the placement's devices:
-    `params` placed weights or their `abstract` shapes, `inputs` the batch's shapes (leading
-    axis the batch, sharded as `placement.batch`). Compile it with `.compile()`."""
-    fn = partial(family.generate, networks, scheduler, static)
+    `params` the other components' weights (`by_program`), placed or their `abstract` shapes,
+    `inputs` the batch's shapes and `encoded` the encode program's outputs or their shapes
+    (`encoded_shapes`). Compile it with `.compile()`."""
+    return _lower(partial(family.generate, networks, scheduler, static), placement, params, inputs, encoded)
+
+
+def _encode(family: Family, networks: Networks, guided: bool, params: Any, inputs: Any) -> Any:
+    return family.encode(networks, params, inputs, guided)
+
+
+def _lower(fn: Any, placement: Placement, params: Any, *batch: Any) -> jax.stages.Lowered:
+    """`fn(params, *batch)` jitted for the placement: the batch's arguments and the outputs
+    over the data axis."""
     if placement.model_parallel == 1:
         # Each device runs the per-device program on its slice of the batch, as pmap would;
         # check_vma=False because the scheduler's state starts out unvarying.
-        fn = jax.shard_map(fn, mesh=placement.mesh, in_specs=(WHOLE, BATCH), out_specs=BATCH, check_vma=False)
+        fn = jax.shard_map(fn, mesh=placement.mesh, in_specs=(WHOLE, *[BATCH] * len(batch)), out_specs=BATCH,
+                           check_vma=False)
     with for_backend(placement.backend), jax.set_mesh(placement.mesh):
-        return jax.jit(fn, out_shardings=placement.batch).lower(params, inputs)
+        return jax.jit(fn, out_shardings=placement.batch).lower(params, *batch)

@@ -1,9 +1,9 @@
 """Reference checks that compile each network once, not one program per scheduler.
 
-The engine fuses a family's whole `generate` (text encoders, the denoising loop, the VAE) into
-one program per shape key, so each (model, scheduler, size, guidance) a reference set covers
-costs a full compile: about 8 s each for the tiny models, most of the suite's time. Here the
-same `generate` runs with JAX's jit disabled, so the loop is a Python loop and the schedulers'
+The engine fuses a family's `generate` (the denoising loop and the VAE) into one program per
+shape key, so each (model, scheduler, size, guidance) a reference set covers costs a full
+compile: about 8 s each for the tiny models, most of the suite's time. Here the same `encode`
+and `generate` run with JAX's jit disabled, so the loop is a Python loop and the schedulers'
 arithmetic runs op by op (cheap, and shared by every scheduler), while each network a pipeline
 calls (`apply` on a text encoder, the denoiser, the VAE's encode and decode) is intercepted and
 runs as a program of its own, compiled once per model and input shapes. Every scheduler of a
@@ -24,7 +24,8 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from diffusion.generate import Static
+from diffusion.generate import Static, text_inputs
+from diffusion.placement import by_program
 from renderfarm.jobs import JobSpec
 from worker.engine import Engine, ShapeKey
 
@@ -41,8 +42,10 @@ def render_stepwise(engine: Engine, specs: Sequence[JobSpec]) -> list[tuple[Shap
         inputs, _ = engine.inputs(key, [specs[i] for i in idx])
         inputs = jax.device_put(inputs, jax.devices()[0])
         static = Static(key.height, key.width, key.steps, key.guided, key.image, key.mask)
+        text, weights = by_program(model.family, params)
         with jax.disable_jit(), nn.intercept_methods(_each_network_compiled):
-            output = model.family.generate(model.networks, engine.scheduler(key), static, params, inputs)
+            encoded = model.family.encode(model.networks, text, text_inputs(inputs), key.guided)
+            output = model.family.generate(model.networks, engine.scheduler(key), static, weights, inputs, encoded)
         images = np.asarray(output.images)
         rendered.update((i, (key, images[n])) for n, i in enumerate(idx))
     return [rendered[i] for i in range(len(specs))]

@@ -113,11 +113,11 @@ def test_a_second_process_starts_warm(tiny_sd, tmp_path) -> None:  # noqa: ANN00
         done = subprocess.run(command, capture_output=True, text=True, check=True)
         return done.stdout + done.stderr
 
-    assert "(1 programs: 0 saved executables loaded, 0 from the persistent cache)" in run()
-    assert "(1 programs: 1 saved executables loaded, 0 from the persistent cache)" in run()
+    assert "(2 programs: 0 saved executables loaded, 0 from the persistent cache)" in run()
+    assert "(2 programs: 2 saved executables loaded, 0 from the persistent cache)" in run()
     for saved in (cache / "executables").iterdir():
         saved.unlink()
-    assert "(1 programs: 0 saved executables loaded, 1 from the persistent cache)" in run()
+    assert "(2 programs: 0 saved executables loaded, 2 from the persistent cache)" in run()
     assert oct(cache.stat().st_mode & 0o777) == oct(0o700)
     assert oct((cache / "executables").stat().st_mode & 0o777) == oct(0o700)
 

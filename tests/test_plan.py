@@ -52,7 +52,12 @@ def test_a_tpu_plan_compiles_with_splash_and_xla_memory(tpu_plan: Plan) -> None:
     assert tpu_plan.target == "tpu-v5e-8" and tpu_plan.devices == 8 and tpu_plan.ok
     assert tpu_plan.usable_per_chip == int(16 * GIB * 0.9)
     assert tpu_plan.auto_model_parallel == 1
-    (program,) = tpu_plan.programs
+    encoder, program = tpu_plan.programs
+    # the text encoders' program, every shape's: CLIP's 77-token attentions take XLA's heads
+    assert encoder.compiled and encoder.shape == "text encoders" and encoder.batch == 8
+    assert set(encoder.kernels) == {"heads"} and encoder.fits and 0 < encoder.flops_per_image < program.flops_per_image
+    # either program's weights per chip are all the model's: the worker holds them all on every chip
+    assert min(encoder.weights_bytes, program.weights_bytes) >= tpu_plan.weights_bytes
     assert program.compiled and program.error is None
     assert program.shape == "128x128@2 pndm" and program.batch == 8
     # splash from 128 queries on a TPU, XLA's heads below, as attention.choose says for that backend
@@ -68,7 +73,8 @@ def test_a_tpu_plan_compiles_with_splash_and_xla_memory(tpu_plan: Plan) -> None:
 def test_a_gpu_plan_compiles_with_cudnn_and_says_so(gpu_plan: Plan) -> None:
     assert gpu_plan.target == "h100" and gpu_plan.devices == 1 and gpu_plan.ok
     assert gpu_plan.usable_per_chip == int(80e9 * 0.75)
-    (program,) = gpu_plan.programs
+    encoder, program = gpu_plan.programs
+    assert encoder.compiled and encoder.shape == "text encoders" and set(encoder.kernels) == {"cudnn"}
     assert program.compiled and program.batch == 1
     # every attention of the tiny SD is cuDNN's on CUDA (bfloat16, heads of at most 128)
     assert set(program.kernels) == {"cudnn"}
@@ -84,7 +90,7 @@ def test_a_gpu_plan_compiles_with_cudnn_and_says_so(gpu_plan: Plan) -> None:
 
 @pytest.mark.target
 def test_the_largest_batch_fits_and_one_more_does_not(tpu_plan: Plan) -> None:
-    (program,) = tpu_plan.programs
+    _, program = tpu_plan.programs
     weights, largest, usable = program.weights_bytes, program.largest_per_device_batch, program.usable_bytes
     per_image = program.total_bytes - weights  # compiled at one image a device
     assert largest > 1
@@ -94,7 +100,7 @@ def test_the_largest_batch_fits_and_one_more_does_not(tpu_plan: Plan) -> None:
 @pytest.mark.target
 def test_the_text_report_says_what_the_plan_says(tpu_plan: Plan) -> None:
     text = format_plan(tpu_plan)
-    (program,) = tpu_plan.programs
+    _, program = tpu_plan.programs
     assert "on tpu-v5e-8: TPU v5e-8 (8 chips), 8 devices" in text
     assert "auto split: model parallel 1" in text
     assert "128x128@2 pndm: batch 8 (1 per device, model parallel 1)" in text
@@ -108,7 +114,8 @@ def test_a_program_that_does_not_fit_says_by_how_much_per_chip(cli: Cli, tiny_sd
     code, data = plan_json(cli, tiny_sd, "--target", "cpu", "--size", "64", "--steps", "2", "--guidance", "1",
                            "--memory-per-chip", "0.001", "--job", "inpaint")
     assert code == 1 and data["ok"] is False  # a program that does not fit fails the command, for scripts
-    (program,) = data["programs"]
+    encoder, program = data["programs"]
+    assert encoder["shape"] == "text encoders cfg-free" and encoder["fits"] is False
     assert program["compiled"] and program["shape"] == "64x64@2 pndm cfg-free inpaint"
     assert set(program["kernels"]) == {"batch"}  # the CPU's kernel
     assert data["devices"] == len(jax.devices("cpu")) and data["usable_per_chip"] == 1_000_000

@@ -27,7 +27,7 @@ from diffusion.architectures import abstract_model
 from diffusion.generate import Static
 from diffusion.models import LoadedModel
 from diffusion.nn.attention import recording
-from diffusion.placement import lower_generate, make_placement
+from diffusion.placement import by_program, encoded_shapes, lower_encode, lower_generate, make_placement
 from diffusion.schedulers import make
 from diffusion.targets import target, target_devices
 from diffusion.tiny import build_tiny_model
@@ -76,15 +76,17 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 
 def _compile(model: LoadedModel, devices: list[jax.Device], split: int) -> tuple[str, list[str]]:
-    """The compiled HLO of the model's program (guided where its family guides) and the kernel
-    each traced attention took."""
+    """The compiled HLO of the model's generate program (guided where its family guides) and
+    the kernel each traced attention took."""
     placement = make_placement(devices, split)
     scheduler = model.family.schedulers[0] if model.family.name == "flux" else "ddim"
+    guided = model.family.classifier_free
+    text, weights = by_program(model.family, placement.abstract(model.family, model.params))
+    inputs = model.abstract_inputs(placement.batch_size(1), placement.batch)
     with recording() as calls:
         lowered = lower_generate(model.family, model.networks, make(scheduler, model.configs["scheduler"]),
-                                 Static(SIZE, SIZE, STEPS, model.family.classifier_free), placement,
-                                 placement.abstract(model.family, model.params),
-                                 model.abstract_inputs(placement.batch_size(1), placement.batch))
+                                 Static(SIZE, SIZE, STEPS, guided), placement, weights, inputs,
+                                 encoded_shapes(model.family, model.networks, guided, placement, text, inputs))
     return lowered.compile().as_text(), [call.kernel for call in calls]
 
 
@@ -132,12 +134,25 @@ def test_the_program_compiles_for_a_v5e_8_and_partitions_as_tensor_parallelism_d
 def test_the_program_compiles_for_eight_h100s_with_cudnn_and_partitions_as_tensor_parallelism_does(
         model: LoadedModel, h100_8: list[jax.Device]) -> None:
     hlo, kernels = _compile(model, h100_8, GPU_SPLIT)
-    # cuDNN for every attention of the tiny models (bfloat16, narrow heads), a custom call each
-    # device runs on its part, but for Flux's T5, whose position bias only XLA's attention takes
-    assert set(kernels) == ({"cudnn", "heads"} if model.family.name == "flux" else {"cudnn"})
+    # cuDNN for every attention of the tiny denoisers and VAEs (bfloat16, narrow heads), a custom
+    # call each device runs on its part
+    assert set(kernels) == {"cudnn"}
     assert "__cudnn$fmha" in hlo
     assert "tpu_custom_call" not in hlo
     _assert_tensor_parallel(model, h100_8, GPU_SPLIT, hlo)
+
+
+def test_the_text_encoders_program_compiles_for_a_v5e_8_split_over_every_chip(
+        model: LoadedModel, v5e_8: list[jax.Device]) -> None:
+    """The text encoders run whole on every chip of a split, in a program of their own: XLA's
+    attention (77 CLIP tokens; T5's position bias), no collective but to gather the batch."""
+    placement = make_placement(v5e_8, SPLITS[-1])
+    text, _ = by_program(model.family, placement.abstract(model.family, model.params))
+    with recording() as calls:
+        lowered = lower_encode(model.family, model.networks, model.family.classifier_free, placement, text,
+                               model.abstract_inputs(placement.batch_size(1), placement.batch))
+    hlo = lowered.compile().as_text()
+    assert {call.kernel for call in calls} == {"heads"} and "all-reduce(" not in hlo
 
 
 def _assert_tensor_parallel(model: LoadedModel, devices: list[jax.Device], split: int, hlo: str) -> None:

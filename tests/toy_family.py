@@ -45,8 +45,12 @@ def abstract_inputs(tokenizers: Sequence[Tokenizer], batch: int) -> ToyInputs:
                      jax.ShapeDtypeStruct((batch, 2), jnp.uint32), jax.ShapeDtypeStruct((batch,), jnp.float32))
 
 
-def generate(nets: Networks, scheduler: Scheduler, static: Static, params: Any, inputs: ToyInputs) -> Output:
-    context = nets["text_encoder"].apply({"params": params["text_encoder"]}, inputs.ids).last_hidden_state
+def encode(nets: Networks, params: Any, inputs: ToyInputs, guided: bool) -> jax.Array:
+    return nets["text_encoder"].apply({"params": params["text_encoder"]}, inputs.ids).last_hidden_state
+
+
+def generate(nets: Networks, scheduler: Scheduler, static: Static, params: Any, inputs: ToyInputs,
+             context: jax.Array) -> Output:
     f = nets["vae"].config.scale_factor
     unguided = static._replace(guided=False)
     latents = denoise(nets["unet"], params["unet"], scheduler, unguided,
@@ -79,6 +83,8 @@ FAMILY = Family(
                 "unet": Component(UNet2DConditionModel, UNetConfig, "unet"),
                 "vae": Component(AutoencoderKL, VAEConfig, "vae")},
     tokenizers={"tokenizer": CLIPTokenizer.from_folder},
+    text_encoders=("text_encoder",),
+    encode=encode,
     inputs=inputs,
     abstract_inputs=abstract_inputs,
     generate=generate,

@@ -1,6 +1,7 @@
-"""The engine: one loaded model, its parameters on every local device, and one compiled
-program per shape key. Host-side only: it tokenizes, makes seeds into keys, pads batches
-and calls the jitted functions of `diffusion.generate`.
+"""The engine: one loaded model, its parameters on every local device, the text encoders'
+compiled program (one per guidance kind) and one compiled program per shape key, which takes
+what the text encoders return. Host-side only: it tokenizes, makes seeds into keys, pads
+batches and calls the programs `diffusion.placement` lowers.
 
 Where the weights live and what program a shape compiles to is the model's placement
 (diffusion/placement.py, decided when it was loaded): whole copies of the weights and a
@@ -19,7 +20,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +29,9 @@ import numpy as np
 from flax.errors import FlaxError
 
 from diffusion.flops import denoise_flops, program_flops
-from diffusion.generate import ImageInputs, Output, Static
+from diffusion.generate import ImageInputs, Output, Static, text_inputs
 from diffusion.models import LoadedModel
-from diffusion.placement import lower_generate, make_placement
+from diffusion.placement import by_program, encoded_shapes, lower_encode, lower_generate, make_placement
 from diffusion.schedulers import Scheduler, make
 from diffusion.scores import Scorers
 from renderfarm.images import check_init_image
@@ -224,10 +225,13 @@ class Engine:
         self._sharded = self.placement.batch
         # The loader's placement laid the weights out (packed ones interleaved) for this split.
         self._params = jax.device_put(model.params, self.placement.weight_shardings(model.family, model.params))
+        self._weights = by_program(model.family, self._params)  # (the text encoders', the rest)
         self._schedulers: dict[tuple[str, str | None, bool | None], Scheduler] = {}
         self.init_images = InitImages()  # image jobs' sources, read ahead of their batches
         # Compiled programs, least recently used first; at most max_programs are kept.
         self._compiled: collections.OrderedDict[ShapeKey, Any] = collections.OrderedDict()
+        self._encoders: dict[bool, Any] = {}  # the text encoders' program, by guidance kind: kept
+        self._encoder_flops: dict[bool, float | None] = {}
         self._lock = threading.Lock()  # programs compile on a thread of their own (worker.processing)
         self.max_programs = max_programs  # None: sized for device memory by the first program
         self.executables = executables
@@ -285,18 +289,35 @@ class Engine:
         return self._schedulers[sampler]
 
     def ready(self, key: ShapeKey) -> bool:
-        """Whether the program of `key` is compiled (rendering it will not compile)."""
-        return key in self._compiled
+        """Whether the programs of `key` are compiled (rendering it will not compile)."""
+        return key in self._compiled and key.guided in self._encoders
+
+    def encoder(self, guided: bool) -> Any:
+        """The text encoders' program for batches of this guidance kind, every shape's: a saved
+        one, or compiled now; kept."""
+        with self._lock:
+            if guided in self._encoders:
+                return self._encoders[guided]
+        weights, inputs = self._weights[0], text_inputs(self.model.abstract_inputs(self.batch_size, self._sharded))
+        name = self._program_name(("encode", guided)) if self.executables is not None else None
+        program, flops = self._load_or_compile(
+            f"text encoders{'' if guided else ' cfg-free'}", name, weights,
+            lambda: lower_encode(self.model.family, self.model.networks, guided, self.placement, weights, inputs),
+            self._program_flops)
+        with self._lock:
+            self._encoders[guided], self._encoder_flops[guided] = program, flops
+        return program
 
     def compiled(self, key: ShapeKey) -> Any:
-        """The executable for a shape key: a kept one, a saved one (worker.executables), or
-        compiled now (XLA's part maybe from JAX's persistent cache). Keeping one evicts the
-        least recently used beyond `max_programs`."""
+        """The executable for a shape key, its text encoders' (`encoder`) made first: a kept
+        one, a saved one (worker.executables), or compiled now (XLA's part maybe from JAX's
+        persistent cache). Keeping one evicts the least recently used beyond `max_programs`."""
+        self.encoder(key.guided)
         with self._lock:
             if key in self._compiled:
                 self._compiled.move_to_end(key)
                 return self._compiled[key]
-        program = self._load_or_compile(key)
+        program = self._compile_generate(key)
         with self._lock:
             self.max_programs = self.max_programs or self._programs_that_fit(program)
             self._compiled[key] = program
@@ -315,62 +336,83 @@ class Engine:
         low, high = MAX_PROGRAMS_BOUNDS
         return max(low, min(high, int(PROGRAM_SHARE * limit // code)))
 
-    def _load_or_compile(self, key: ShapeKey) -> Any:
+    def _compile_generate(self, key: ShapeKey) -> Any:
+        family, networks, text, weights = self.model.family, self.model.networks, *self._weights
+        inputs = self.model.abstract_inputs(self.batch_size, self._sharded, (key.height, key.width) if key.image else None,
+                                            key.mask)
+
+        def lower() -> jax.stages.Lowered:
+            encoded = encoded_shapes(family, networks, key.guided, self.placement, text, text_inputs(inputs))
+            return lower_generate(family, networks, self.scheduler(key),
+                                  Static(key.height, key.width, key.steps, key.guided, key.image, key.mask),
+                                  self.placement, weights, inputs, encoded)
+
         name = self._program_name(key) if self.executables is not None else None
+        program, self._flops[key] = self._load_or_compile(str(key), name, weights, lower,
+                                                          lambda compiled: self._count_flops(key, compiled))
+        return program
+
+    def _load_or_compile(self, label: str, name: str | None, weights: Any, lower: Callable[[], jax.stages.Lowered],
+                         count_flops: Callable[[Any], float | None]) -> tuple[Any, float | None]:
+        """A program taking `weights` first, and its FLOPs: the saved executable `name`, or
+        `lower()` compiled now (and saved)."""
         if name is not None:
             saved = self.executables.load(name, self.devices)
-            mismatch = None if saved is None else _weights_mismatch(self._params, saved[0].args_info[0][0])
+            mismatch = None if saved is None else _weights_mismatch(weights, saved[0].args_info[0][0])
             if mismatch:
-                log.warning("%s: saved executable not used: %s", key, mismatch)
+                log.warning("%s: saved executable not used: %s", label, mismatch)
             elif saved is not None:
-                log.info("%s: saved executable loaded", key)
-                self._flops[key] = saved[1]["flops"]
-                return saved[0]
+                log.info("%s: saved executable loaded", label)
+                return saved[0], saved[1]["flops"]
         start, hits = time.perf_counter(), JAX_EVENTS[CACHE_HIT]
         try:
-            lowered = lower_generate(self.model.family, self.model.networks, self.scheduler(key),
-                                     Static(key.height, key.width, key.steps, key.guided, key.image, key.mask),
-                                     self.placement, self._params,
-                                     self.model.abstract_inputs(self.batch_size, self._sharded,
-                                                                (key.height, key.width) if key.image else None, key.mask))
+            lowered = lower()
         except FlaxError as err:  # weights put together by hand, not by the loader, which checks them
             raise JobError("model", self.model.ref, f"weights do not match its config: {err}") from err
         program = lowered.compile()
         seconds = time.perf_counter() - start
         self.compile_seconds += seconds
         self.compiles += 1
-        log.info("%s: compiled in %.1fs", key, seconds)
+        log.info("%s: compiled in %.1fs", label, seconds)
         from_cache = JAX_EVENTS[CACHE_HIT] - hits
         self.cache_hits += from_cache
-        self._flops[key] = self._count_flops(key, program)
+        flops = count_flops(program)
         # Only fresh compiles are saved: a program that XLA's CPU backend took from JAX's
         # persistent cache serializes without its code (measured: "Function ... not
         # found" when the copy runs).
         if name is not None and not from_cache:
-            self.executables.save(name, program, {"flops": self._flops[key]})
-        return program
+            self.executables.save(name, program, {"flops": flops})
+        return program, flops
 
-    def _program_name(self, key: ShapeKey) -> str:
-        """Everything the compiled program for `key` depends on (see worker.executables)."""
+    def _program_name(self, program: ShapeKey | tuple[str, bool]) -> str:
+        """Everything a compiled program depends on (see worker.executables): `program` is its
+        shape key, or ("encode", guided) for the text encoders'."""
+        key = dataclasses.astuple(program) if isinstance(program, ShapeKey) else program
         return fingerprint(family=self.model.family.name, dtype=self.model.dtype, configs=self.model.configs,
                            options=self.model.networks.options,
-                           key=dataclasses.astuple(key), batch_size=self.batch_size,
+                           key=key, batch_size=self.batch_size,
                            model_parallel=self.model.model_parallel,
                            devices=[(d.platform, d.device_kind, d.id) for d in self.devices])
+
+    def _program_flops(self, compiled: Any) -> float | None:
+        """XLA's count of a per-device program, on all devices."""
+        program = program_flops(compiled)
+        return None if program is None else program * len(self.devices)
 
     def _count_flops(self, key: ShapeKey, compiled: Any) -> float | None:
         """XLA counts the per-device program, its denoising loop once: all devices' programs,
         plus the other steps' denoiser calls on the whole batch (2 rows per job with
         classifier-free guidance, else 1)."""
         rows = (2 if key.guided else 1) * self.batch_size
-        step = self.model.family.denoiser_flops(self.model.networks, self._params, rows, key.height, key.width)
-        program = program_flops(compiled)
-        return denoise_flops(None if program is None else program * len(self.devices), step, key.steps)
+        step = self.model.family.denoiser_flops(self.model.networks, self._weights[1], rows, key.height, key.width)
+        return denoise_flops(self._program_flops(compiled), step, key.steps)
 
     def flops(self, key: ShapeKey) -> float | None:
-        """FLOPs of one batch of `key` on all devices, from XLA's count of the compiled
-        program; None before it is compiled or where the backend counts nothing."""
-        return self._flops.get(key)
+        """FLOPs of one batch of `key` on all devices, from XLA's count of its compiled
+        programs (the text encoders' and the rest); None before they are compiled or where the
+        backend counts nothing."""
+        generate, encode = self._flops.get(key), self._encoder_flops.get(key.guided)
+        return None if generate is None else generate + (encode or 0.0)
 
     def peak_memory(self, key: ShapeKey) -> int | None:
         """The devices' peak memory in use (bytes, the largest of the engine's devices) when the
@@ -418,9 +460,12 @@ class Engine:
         return jax.device_put(host, self._sharded), truncated[:len(jobs)]
 
     def dispatch(self, key: ShapeKey, jobs: list[JobSpec]) -> tuple[Output, list[bool]]:
-        """Start one batch on the devices; returns at once (JAX dispatch is asynchronous)."""
+        """Start one batch on the devices, its text encoders' program and then the rest; returns
+        at once (JAX dispatch is asynchronous)."""
         inputs, truncated = self.inputs(key, jobs)
-        return self.compiled(key)(self._params, inputs), truncated
+        program = self.compiled(key)
+        text, weights = self._weights
+        return program(weights, inputs, self.encoder(key.guided)(text, text_inputs(inputs))), truncated
 
     def prepare(self, specs: Sequence[JobSpec]) -> list[tuple[ShapeKey, list[int]]]:
         """Validate every job and compile every shape it needs, before anything renders."""

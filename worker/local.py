@@ -21,7 +21,7 @@ class RenderReport:
     images: int
     campaigns: list[str]
     compile_seconds: float
-    programs: int  # compiled for this run
+    programs: int  # compiled for this run: a generate program per shape, the text encoders' per guidance kind
     cache_hits: int  # of those, found in the persistent compilation cache
     loaded: int  # of those, saved executables loaded without tracing or compiling
     render_seconds: float  # after compile: rendering, encoding and storing
@@ -52,7 +52,7 @@ def render_to_storage(specs: Sequence[JobSpec], engine: Engine, storage: Storage
         images=len(specs),
         campaigns=campaigns,
         compile_seconds=engine.compile_seconds - compile_before,
-        programs=len({key for key, _ in plan}),
+        programs=len({key for key, _ in plan}) + len({key.guided for key, _ in plan}),  # the text encoders' too
         cache_hits=engine.cache_hits - hits_before,
         loaded=(engine.executables.loaded if engine.executables else 0) - loaded_before,
         render_seconds=render_seconds,

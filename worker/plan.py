@@ -205,37 +205,91 @@ def make_plan(ref: str, target_name: str, size: tuple[int, int] | None = None, s
         if err.field in images:  # a placeholder's: the model does not render this kind of job
             raise JobError("job", job, err.rule) from None
         raise
-    programs = [_program(model, chosen, devices, split, per_device_batch, key) for key in keys]
+    programs = _programs(model, chosen, devices, split, per_device_batch, list(keys))
     return Plan(model=ref, family=model.family.name, dtype=dtype, target=chosen.name, target_label=chosen.label,
                 devices=len(devices), memory_per_chip=chosen.memory, usable_per_chip=usable,
                 peak_flops_per_chip=chosen.peak_flops, weights_bytes=weights, auto_model_parallel=auto,
                 auto_error=auto_error, programs=programs)
 
 
-def _program(model: LoadedModel, chosen: Target, devices: list[Any], split: int, per_device_batch: int,
-             key: ShapeKey) -> ProgramPlan:
-    """Lower and compile one program for the target's devices, and read what XLA says of it."""
-    import jax
-
-    from diffusion.flops import denoise_flops, program_flops
-    from diffusion.generate import Static
-    from diffusion.nn.attention import recording
-    from diffusion.placement import lower_generate, make_placement
+def _programs(model: LoadedModel, chosen: Target, devices: list[Any], split: int, per_device_batch: int,
+              keys: list[ShapeKey]) -> list[ProgramPlan]:
+    """The text encoders' program for each guidance kind of `keys`, then each key's generate
+    program, compiled for the target's devices: what XLA says of each. Every program's weights
+    per chip are all the model's (the worker keeps them all on the devices), and a shape's FLOPs
+    per image count its text encoders' program too."""
+    from diffusion.flops import denoise_flops
+    from diffusion.generate import Static, text_inputs
+    from diffusion.placement import Placement, by_program, encoded_shapes, lower_encode, lower_generate, make_placement
     from diffusion.schedulers import make
 
-    width, height, steps, guided = key.width, key.height, key.steps, key.guided
+    family, networks = model.family, model.networks
     placement = make_placement(devices, split)
     batch = placement.batch_size(per_device_batch)
-    plan = ProgramPlan(shape=str(key), guided=guided, per_device_batch=per_device_batch, batch=batch,
-                       model_parallel=split, compiled=False)
-    params = placement.abstract(model.family, model.params)
-    image = (height, width) if key.image else None
-    inputs = model.abstract_inputs(batch, placement.batch, image, key.mask)
+    # each program's weights per chip, as placed: the text encoders', the rest
+    text_bytes, other_bytes = (sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+                                   for leaf in _leaves(part))
+                               for part in by_program(family, placement.abstract(family, model.params)))
+
+    def program(shape: str, guided: bool) -> ProgramPlan:
+        return ProgramPlan(shape=shape, guided=guided, per_device_batch=per_device_batch, batch=batch,
+                           model_parallel=split, compiled=False)
+
+    def shapes(where: Placement, key: ShapeKey) -> tuple[Any, Any, Any, Any]:
+        """The programs' arguments for `key` as shapes placed on `where`: the text encoders'
+        weights, the other weights, the batch's inputs and what the text encoders return."""
+        text, weights = by_program(family, where.abstract(family, model.params))
+        inputs = model.abstract_inputs(batch, where.batch, (key.height, key.width) if key.image else None, key.mask)
+        return text, weights, inputs, encoded_shapes(family, networks, key.guided, where, text, text_inputs(inputs))
+
+    programs, encoder_flops = [], {}
+    firsts: dict[bool, ShapeKey] = {}
+    for key in keys:
+        firsts.setdefault(key.guided, key)
+    for guided, first in firsts.items():
+        def lower_text(where: Placement, first: ShapeKey = first) -> Any:
+            text, _, inputs, _ = shapes(where, first)
+            return lower_encode(family, networks, first.guided, where, text, text_inputs(inputs))
+
+        plan = program(f"text encoders{'' if guided else ' cfg-free'}", guided)
+        compiled = _compile(plan, chosen, placement, text_inputs(shapes(placement, first)[2]), lower_text,
+                            text_bytes, other_bytes)
+        counted = None if compiled is None else _flops(compiled, len(devices), lower_text)
+        if counted is not None:
+            plan.flops_per_image = encoder_flops[guided] = counted / batch
+        programs.append(plan)
+    for key in keys:
+        def lower(where: Placement, key: ShapeKey = key) -> Any:
+            _, weights, inputs, encoded = shapes(where, key)
+            return lower_generate(family, networks, make(key.scheduler, model.configs["scheduler"]),
+                                  Static(key.height, key.width, key.steps, key.guided, key.image, key.mask),
+                                  where, weights, inputs, encoded)
+
+        plan = program(str(key), key.guided)
+        compiled = _compile(plan, chosen, placement, shapes(placement, key)[2:], lower, other_bytes, text_bytes)
+        if compiled is not None:
+            denoiser = family.denoiser_flops(networks, model.params, (2 if key.guided else 1) * batch, key.height,
+                                             key.width)
+            total = denoise_flops(_flops(compiled, len(devices), lower), denoiser, key.steps)
+            if total is not None:
+                plan.flops_per_image = total / batch + encoder_flops.get(key.guided, 0.0)
+                if chosen.peak_flops:
+                    plan.images_per_second_per_chip = UTILISATION * chosen.peak_flops / plan.flops_per_image
+        programs.append(plan)
+    return programs
+
+
+def _compile(plan: ProgramPlan, chosen: Target, placement: Any, inputs: Any, lower: Callable[[Any], Any],
+             own: int, resident: int) -> Any:
+    """Lower `lower(placement)` (attention recorded) and compile it for the target, filling
+    `plan` with what XLA says; the compiled program, or None where XLA refused it. `inputs`: the
+    shapes of its arguments besides the weights; `own`: its weights per chip as placed;
+    `resident`: the other program's, which stay on the devices while it runs."""
+    from diffusion.nn.attention import recording
+
     started = time.perf_counter()
-    scheduler = make(key.scheduler, model.configs["scheduler"])
-    static = Static(height, width, steps, guided, key.image, key.mask)
     with recording() as calls:
-        lowered = lower_generate(model.family, model.networks, scheduler, static, placement, params, inputs)
+        lowered = lower(placement)
     plan.lower_seconds = time.perf_counter() - started
     plan.attention = [dataclasses.asdict(call) for call in calls]
     plan.kernels = dict(collections.Counter(call.kernel for call in calls))
@@ -245,17 +299,16 @@ def _program(model: LoadedModel, chosen: Target, devices: list[Any], split: int,
     except Exception as err:  # noqa: BLE001 - the compiler's refusal is the report
         plan.compile_seconds = time.perf_counter() - started
         plan.error = "\n".join(str(err).strip().splitlines()[:ERROR_LINES])
-        return plan
+        return None
     plan.compile_seconds = time.perf_counter() - started
     plan.compiled = True
     memory = memory_of(compiled)
     if memory is not None:
         inputs_bytes = _bytes(inputs) // placement.data_parallel
-        # XLA's arguments leave out weights the program never reads (the VAE's encoder), which
-        # the worker holds all the same: the larger of the two counts
-        placed = sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
-                     for leaf in _leaves(params))
-        plan.weights_bytes = max(memory.arguments - inputs_bytes, placed)
+        # XLA's arguments leave out weights the program never reads (the VAE's encoder) and pad
+        # small ones to the chip's tiles: the larger of its count and the placed bytes, and the
+        # other program's weights beside them
+        plan.weights_bytes = max(memory.arguments - inputs_bytes, own) + resident
         memory.arguments = plan.weights_bytes + inputs_bytes
         plan.temp_bytes, plan.total_bytes = memory.temp, memory.total
         usable = chosen.usable_bytes
@@ -264,23 +317,23 @@ def _program(model: LoadedModel, chosen: Target, devices: list[Any], split: int,
             plan.fits = memory.total <= usable
             plan.over_bytes = None if plan.fits else memory.total - usable
             plan.largest_per_device_batch = per_device_batch_that_fits(
-                (memory.total - plan.weights_bytes) / per_device_batch, plan.weights_bytes, usable)
-    rows = (2 if guided else 1) * batch
-    denoiser = model.family.denoiser_flops(model.networks, model.params, rows, height, width)
+                (memory.total - plan.weights_bytes) / plan.per_device_batch, plan.weights_bytes, usable)
+    return compiled
+
+
+def _flops(compiled: Any, devices: int, lower: Callable[[Any], Any]) -> float | None:
+    """XLA's count of a compiled per-device program, on all `devices`; where XLA counts none
+    (its GPU compiler), the count of the same batch's program lowered (`lower(placement)`) for
+    one CPU device."""
+    import jax
+
+    from diffusion.flops import program_flops
+    from diffusion.placement import make_placement
+
     counted = program_flops(compiled)
     if counted is not None:
-        counted *= len(devices)
-    else:  # XLA's GPU compiler counts none: the same batch's program lowered for one CPU device
-        cpu = make_placement(jax.devices("cpu")[:1], 1)
-        counted = program_flops(lower_generate(model.family, model.networks, scheduler, static, cpu,
-                                               cpu.abstract(model.family, model.params),
-                                               model.abstract_inputs(batch, cpu.batch, image, key.mask)))
-    total = denoise_flops(counted, denoiser, steps)
-    if total is not None:
-        plan.flops_per_image = total / batch
-        if chosen.peak_flops:
-            plan.images_per_second_per_chip = UTILISATION * chosen.peak_flops / plan.flops_per_image
-    return plan
+        return counted * devices
+    return program_flops(lower(make_placement(jax.devices("cpu")[:1], 1)))
 
 
 def _leaves(tree: Any) -> list[Any]:

@@ -121,10 +121,17 @@ def _latent_size(nets: Networks, height: int, width: int) -> tuple[int, int]:
     return height // f, width // f
 
 
-def generate(nets: Networks, scheduler: Scheduler, static: Static, params: Any, inputs: FluxInputs) -> Output:
+def encode(nets: Networks, params: Any, inputs: FluxInputs, guided: bool) -> dict[str, jax.Array]:
+    """CLIP's pooled output and T5's hidden states of the prompts (never a negative: `guided` is
+    always False, the family has no classifier-free pass)."""
+    return {"pooled": nets["text_encoder"].apply({"params": params["text_encoder"]}, inputs.clip_ids).pooled,
+            "context": nets["text_encoder_2"].apply({"params": params["text_encoder_2"]}, inputs.t5_ids)}
+
+
+def generate(nets: Networks, scheduler: Scheduler, static: Static, params: Any, inputs: FluxInputs,
+             encoded: dict[str, jax.Array]) -> Output:
     transformer, vae = nets["transformer"], nets["vae"]
-    pooled = nets["text_encoder"].apply({"params": params["text_encoder"]}, inputs.clip_ids).pooled
-    context = nets["text_encoder_2"].apply({"params": params["text_encoder_2"]}, inputs.t5_ids)
+    pooled, context = encoded["pooled"], encoded["context"]
     h, w = _latent_size(nets, static.height, static.width)
     latents = pack(initial_latents(inputs.keys, (transformer.config.in_channels // 4, h, w)))
     img_ids, txt_ids = image_ids(h // PATCH, w // PATCH), np.zeros((context.shape[1], 3), np.float32)
@@ -204,6 +211,8 @@ FAMILY = Family(
                 "transformer": Component(FluxTransformer2DModel, FluxConfig, "flux"),
                 "vae": Component(AutoencoderKL, VAEConfig, "vae")},
     tokenizers={"tokenizer": CLIPTokenizer.from_folder, "tokenizer_2": t5_tokenizer},
+    text_encoders=("text_encoder", "text_encoder_2"),
+    encode=encode,
     inputs=inputs,
     abstract_inputs=abstract_inputs,
     generate=generate,

@@ -24,16 +24,21 @@ from diffusion.schedulers import Scheduler
 from diffusion.tokenizer import CLIPTokenizer
 
 
-def generate(nets: Networks, scheduler: Scheduler, static: Static, params: Any, inputs: Inputs | ImageInputs) -> Output:
+def encode(nets: Networks, params: Any, inputs: Inputs, guided: bool) -> dict[str, jax.Array]:
+    """The prompts' hidden states, and guided the negative prompts' too."""
     encoder = nets["text_encoder"]
-    text = inputs.text if static.image else inputs
 
-    def encode(ids: jax.Array) -> jax.Array:
+    def run(ids: jax.Array) -> jax.Array:
         return encoder.apply({"params": params["text_encoder"]}, ids[:, 0]).last_hidden_state
 
-    context = encode(text.prompt_ids)
+    return {"context": run(inputs.prompt_ids), **({"negative": run(inputs.negative_ids)} if guided else {})}
+
+
+def generate(nets: Networks, scheduler: Scheduler, static: Static, params: Any, inputs: Inputs | ImageInputs,
+             encoded: dict[str, jax.Array]) -> Output:
+    context = encoded["context"]
     if static.guided:
-        context = guided_rows(encode(text.negative_ids), context)
+        context = guided_rows(encoded["negative"], context)
     return denoise_and_decode(nets, scheduler, static, params, inputs, context, None)
 
 
@@ -44,6 +49,8 @@ FAMILY = Family(
                 "unet": Component(UNet2DConditionModel, UNetConfig, "unet"),
                 "vae": Component(AutoencoderKL, VAEConfig, "vae")},
     tokenizers={"tokenizer": CLIPTokenizer.from_folder},
+    text_encoders=("text_encoder",),
+    encode=encode,
     inputs=latent_unet.inputs,
     abstract_inputs=latent_unet.abstract_inputs,
     generate=generate,
