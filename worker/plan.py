@@ -354,6 +354,8 @@ def _si(n: float | None, unit: str) -> str:
     """`n` with the largest SI prefix under it: 2.13 GB, 41.90 TFLOP."""
     if n is None:
         return "-"
+    if n == 0:
+        return f"0 {unit}"
     prefix, scale = next(((p, s) for p, s in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)) if n >= s), ("", 1))
     return f"{n / scale:.2f} {prefix}{unit}"
 
