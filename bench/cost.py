@@ -39,7 +39,7 @@ from diffusion.generate import Static  # noqa: E402
 from diffusion.models import LoadedModel  # noqa: E402
 from diffusion.placement import by_program, encoded_shapes, lower_encode, lower_generate, make_placement  # noqa: E402
 from diffusion.schedulers import make  # noqa: E402
-from diffusion.sharding import choose_model_parallel  # noqa: E402
+from diffusion.sharding import choose_model_parallel, split_text_encoders  # noqa: E402
 from diffusion.targets import TARGETS  # noqa: E402
 
 UTILISATION = 0.5  # the share of peak a worker should reach: both published SD figures below reach more
@@ -78,6 +78,7 @@ class Cost:
     step: float
     rest: float
     parameters: int
+    text_parameters: int  # the text encoders'
 
     def per_image(self, steps: int) -> float:
         return self.rest + steps * self.step
@@ -108,7 +109,9 @@ def cost(name: str) -> Cost:
     if None in counts or step is None:
         raise SystemExit(f"{name}: XLA gave no FLOP count on this backend")
     parameters = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(model.params))
-    return Cost(name, size, guided, step, sum(counts) - step, parameters)
+    text = sum(math.prod(leaf.shape) for name in model.family.text_encoders
+               for leaf in jax.tree.leaves(model.params[name]))
+    return Cost(name, size, guided, step, sum(counts) - step, parameters, text)
 
 
 def print_costs(costs: list[Cost]) -> None:
@@ -138,15 +141,18 @@ def print_costs(costs: list[Cost]) -> None:
 
 
 def print_splits(costs: list[Cost]) -> None:
-    """Weights in bfloat16 and the split the worker chooses on each chip (`choose_model_parallel`)."""
-    print("\nweights in bfloat16, and devices per copy of them (`--model-parallel auto`) on each host")
+    """Weights in bfloat16 and the split the worker chooses on each chip (`choose_model_parallel`;
+    `+t`: the text encoders spread over every device, `split_text_encoders`)."""
+    print("\nweights in bfloat16, and devices per copy of them (`--model-parallel auto`; +t: the text encoders "
+          "spread over every device) on each host")
     for c in costs:
-        weights = 2 * c.parameters
+        weights, text = 2 * c.parameters, 2 * c.text_parameters
         splits = []
         for chip in CHIPS:
             try:
-                split = choose_model_parallel(weights, chip.usable_bytes, chip.devices)
-                splits.append(f"{chip.name} {split}")
+                split = choose_model_parallel(weights, chip.usable_bytes, chip.devices, text)
+                spread = split_text_encoders(weights, text, chip.usable_bytes, split, chip.devices)
+                splits.append(f"{chip.name} {split}{'+t' if spread else ''}")
             except ValueError:
                 splits.append(f"{chip.name} -")
         print(f"  {c.name:13} {c.parameters / 1e9:6.2f} B parameters, {weights / 1e9:6.2f} GB: {', '.join(splits)}")

@@ -53,7 +53,7 @@ from diffusion.lora import Patch, read_lora
 from diffusion.nn import parameter_shapes
 from diffusion.placement import Placement, make_placement
 from diffusion.schedulers import CLASS_NAMES
-from diffusion.sharding import choose_model_parallel
+from diffusion.sharding import choose_model_parallel, split_text_encoders
 from diffusion.single_file import check_family, read_single_file
 from diffusion.targets import usable_share
 from diffusion.tokenizer import TokenizerError
@@ -358,11 +358,10 @@ def load_model(ref: str, dtype: str = "float32", variant: str | None = None, bas
     configs["scheduler"] = _read_json(ref, folder / "scheduler" / "scheduler_config.json")
     deltas = _lora_deltas(ref, loras or (), family, sources, configs, weights)
     devices = list(devices or jax.local_devices())
-    if model_parallel is None:
-        model_parallel = _fitting_model_parallel(ref, folder, family, sources, dtype, devices)
-    placement = make_placement(devices, model_parallel)
+    placement = _placement(ref, folder, family, sources, dtype, devices, model_parallel)
+    model_parallel = placement.model_parallel
     # Split weights are converted on the host and placed shard by shard; whole copies go the fast way.
-    sharding = placement.replicated if model_parallel == 1 else None
+    sharding = placement.replicated if model_parallel == 1 and not placement.text_split else None
     modules: dict[str, Any] = {}
     # Each component's weights load on a thread of their own, in order, while the next component's
     # expected shapes are traced here (seconds for a UNet, once per architecture: diffusion.nn.parameter_shapes).
@@ -386,7 +385,7 @@ def load_model(ref: str, dtype: str = "float32", variant: str | None = None, bas
                     future.result()
             raise
         params = {name: future.result() for name, future in loading.items()}
-    if model_parallel > 1:
+    if sharding is None:
         params = placement.place(family, params)
     try:
         tokenizers = [load(folder / name) for name, load in family.tokenizers.items()]
@@ -397,26 +396,35 @@ def load_model(ref: str, dtype: str = "float32", variant: str | None = None, bas
     leaves = jax.block_until_ready(jax.tree.leaves(params))
     log.info("loaded %s (%s) in %.2f s: %d tensors, %.2f GB on %d devices%s", ref, dtype,
              time.perf_counter() - started, len(leaves), sum(leaf.nbytes for leaf in leaves) / 1e9, len(devices),
-             f", split over {model_parallel} per copy" if model_parallel > 1 else "")
+             (f", split over {model_parallel} per copy" if model_parallel > 1 else "")
+             + (", the text encoders spread over all of them" if placement.text_split else ""))
     return LoadedModel(ref=ref, revision=revision, family=family, dtype=dtype, variant=variant, networks=networks,
                        params=params, tokenizers=tokenizers, configs=configs, base=base, loras=loras or None,
                        weights=tuple(weights), model_parallel=model_parallel, placement=placement)
 
 
-def _fitting_model_parallel(ref: str, folder: Path, family: Family, sources: dict[str, dict[str, TensorInfo]],
-                            dtype: str, devices: list[jax.Device]) -> int:
-    """`choose_model_parallel` for this model's weights in `dtype` (safetensors: their tensors'
-    sizes; Flax msgpack: the files' sizes) and the memory JAX may use on the devices."""
+def _placement(ref: str, folder: Path, family: Family, sources: dict[str, dict[str, TensorInfo]], dtype: str,
+               devices: list[jax.Device], model_parallel: int | None) -> Placement:
+    """Where this model's weights go on `devices`: `model_parallel` devices per copy (None: the
+    fewest that fit, `choose_model_parallel`), the text encoders spread over every device where
+    whole they would not fit (`split_text_encoders`); counted from the weights' sizes in `dtype`
+    (safetensors: their tensors'; Flax msgpack: the files') and the memory JAX may use there."""
     size = JAX_DTYPES[dtype].itemsize
-    weight_bytes = sum(math.prod(info.shape) * size for tensors in sources.values() for info in tensors.values())
-    weight_bytes += sum(path.stat().st_size for name in family.components if name not in sources
-                        for path in (folder / name).glob("*.msgpack"))
-    try:
-        limit = (devices[0].memory_stats() or {}).get("bytes_limit")
-        usable = int(limit * usable_share(devices[0].platform)) if limit else None
-        return choose_model_parallel(weight_bytes, usable, len(devices))
-    except ValueError as err:
-        raise ModelError("model", ref, str(err)) from None
+    component_bytes = {name: sum(math.prod(info.shape) * size for info in tensors.values())
+                       for name, tensors in sources.items()}
+    component_bytes |= {name: sum(path.stat().st_size for path in (folder / name).glob("*.msgpack"))
+                        for name in family.components if name not in sources}
+    weight_bytes = sum(component_bytes.values())
+    text_bytes = sum(component_bytes.get(name, 0) for name in family.text_encoders)
+    limit = (devices[0].memory_stats() or {}).get("bytes_limit")
+    usable = int(limit * usable_share(devices[0].platform)) if limit else None
+    if model_parallel is None:
+        try:
+            model_parallel = choose_model_parallel(weight_bytes, usable, len(devices), text_bytes)
+        except ValueError as err:
+            raise ModelError("model", ref, str(err)) from None
+    return make_placement(devices, model_parallel,
+                          split_text_encoders(weight_bytes, text_bytes, usable, model_parallel, len(devices)))
 
 
 def _single_file(ref: str, variant: str | None, base: str | None, weights: list[dict[str, Any]],

@@ -1,8 +1,9 @@
 """Where a model runs: the one decision of which devices hold which part of its weights, and
-the programs that render a batch there (the text encoders', then the shape's). The loader (diffusion/models.py) places the weights
-with it, the engine (worker/engine.py) compiles and runs the programs with it, and a plan for
-a machine that is not here compiles the same programs for a target's devices (a TPU
-topology's, from `jax.experimental.topologies`) with shapes in place of weights.
+the programs that render a batch there (the text encoders', then the shape's). The loader
+(diffusion/models.py) places the weights with it, the engine (worker/engine.py) compiles and
+runs the programs with it, and a plan for a machine that is not here compiles the same
+programs for a target's devices (a TPU topology's, from `jax.experimental.topologies`) with
+shapes in place of weights.
 
 The devices form a (data, model) mesh. With `model_parallel` 1 each device holds a whole
 copy of the weights and runs the per-device program on its slice of the batch (`shard_map`,
@@ -13,6 +14,10 @@ attention constrains its heads to the model axis and runs custom kernels (splash
 inside a `shard_map` of their own (diffusion/nn/attention.py). Attention's kernel is chosen
 for the devices' backend, not the process's (`for_backend`), so a TPU program traced on a CPU
 machine takes splash as it would on the TPU.
+
+The text encoders are not split by the model axis: whole on each device, or, where that does
+not fit beside the rest (`text_split`: diffusion.sharding.split_text_encoders), spread over
+every device, their program then one `jax.jit` over the mesh that gathers them as it needs them.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from diffusion.family import Family, Networks
 from diffusion.generate import Static
 from diffusion.nn.attention import for_backend, recording
 from diffusion.schedulers import Scheduler
-from diffusion.sharding import DATA, MODEL, interleaved, weight_specs
+from diffusion.sharding import DATA, MODEL, interleaved, spread, weight_specs
 
 BATCH, WHOLE = PartitionSpec(DATA), PartitionSpec()
 
@@ -41,6 +46,9 @@ class Placement:
     """A (data, model) mesh over some devices (this host's, or a target topology's)."""
 
     mesh: Mesh
+    # the text encoders' weights spread over every device (diffusion.sharding.spread), not
+    # whole on each: their program then runs over the mesh, gathering them where it needs them
+    text_split: bool = False
 
     @property
     def model_parallel(self) -> int:
@@ -81,6 +89,9 @@ class Placement:
     def weight_shardings(self, family: Family, params: Any) -> Any:
         """A NamedSharding per weight of `params` ({component: tree}, arrays or shapes)."""
         specs = weight_specs(dict(family.tensor_parallel), params, self.model_parallel)
+        if self.text_split:
+            specs = {name: spread(params[name], len(self.devices)) if name in family.text_encoders else tree
+                     for name, tree in specs.items()}
         return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs,
                             is_leaf=lambda x: isinstance(x, PartitionSpec))
 
@@ -98,12 +109,13 @@ class Placement:
                             params, self.weight_shardings(family, params))
 
 
-def make_placement(devices: Sequence[jax.Device], model_parallel: int) -> Placement:
-    """The mesh of `devices` with `model_parallel` devices per copy of the weights."""
+def make_placement(devices: Sequence[jax.Device], model_parallel: int, text_split: bool = False) -> Placement:
+    """The mesh of `devices` with `model_parallel` devices per copy of the weights (and, with
+    `text_split`, the text encoders' spread over them all)."""
     if model_parallel < 1 or len(devices) % model_parallel:
         raise ModelError("model_parallel", model_parallel, f"must divide the {len(devices)} devices")
     grid = np.array(list(devices), dtype=object).reshape(len(devices) // model_parallel, model_parallel)
-    return Placement(Mesh(grid, (DATA, MODEL)))
+    return Placement(Mesh(grid, (DATA, MODEL)), text_split)
 
 
 def by_program(family: Family, params: Any) -> tuple[Any, Any]:
@@ -119,7 +131,8 @@ def lower_encode(family: Family, networks: Networks, guided: bool, placement: Pl
     """The family's text encoders on a batch, lowered for the placement's devices: `params` the
     text encoders' weights (`by_program`), placed or their `abstract` shapes, `inputs` the batch's
     text inputs (generate.text_inputs). One program for every shape of a guidance kind."""
-    return _lower(partial(_encode, family, networks, guided), placement, params, inputs)
+    return _lower(partial(_encode, family, networks, guided), placement, params, inputs,
+                  per_device=not placement.text_split)
 
 
 def encoded_shapes(family: Family, networks: Networks, guided: bool, placement: Placement, params: Any,
@@ -137,17 +150,19 @@ def lower_generate(family: Family, networks: Networks, scheduler: Scheduler, sta
     `params` the other components' weights (`by_program`), placed or their `abstract` shapes,
     `inputs` the batch's shapes and `encoded` the encode program's outputs or their shapes
     (`encoded_shapes`). Compile it with `.compile()`."""
-    return _lower(partial(family.generate, networks, scheduler, static), placement, params, inputs, encoded)
+    return _lower(partial(family.generate, networks, scheduler, static), placement, params, inputs, encoded,
+                  per_device=True)
 
 
 def _encode(family: Family, networks: Networks, guided: bool, params: Any, inputs: Any) -> Any:
     return family.encode(networks, params, inputs, guided)
 
 
-def _lower(fn: Any, placement: Placement, params: Any, *batch: Any) -> jax.stages.Lowered:
+def _lower(fn: Any, placement: Placement, params: Any, *batch: Any, per_device: bool) -> jax.stages.Lowered:
     """`fn(params, *batch)` jitted for the placement: the batch's arguments and the outputs
-    over the data axis."""
-    if placement.model_parallel == 1:
+    over the data axis; a per-device program where `per_device` and the placement has whole
+    copies of the weights, else one partitioned over the mesh."""
+    if per_device and placement.model_parallel == 1:
         # Each device runs the per-device program on its slice of the batch, as pmap would;
         # check_vma=False because the scheduler's state starts out unvarying.
         fn = jax.shard_map(fn, mesh=placement.mesh, in_specs=(WHOLE, *[BATCH] * len(batch)), out_specs=BATCH,

@@ -4,7 +4,8 @@ split by output columns (q, k, v, an MLP's first layer, the modulation linears: 
 last axis and the bias over `model`) and those split by input rows (the attention output and
 an MLP's second layer: the kernel's first input axis; the bias whole, added once after the
 partial sums are reduced). Every other weight (norms, embeddings, convolutions, the VAE,
-the text encoders) stays whole on each device. So a transformer block needs one all-reduce
+the text encoders) stays whole on each device, but for the text encoders of a model too large
+for that, which are spread over every device instead (`split_text_encoders`, `spread`). So a transformer block needs one all-reduce
 after its attention and one after its MLP, and no weight moves while the model runs.
 
 While a split network is traced (`tensor_parallel`), its activations are constrained as
@@ -177,14 +178,48 @@ def constrain(x: jax.Array, *axes: str | None) -> jax.Array:
     return x if spec is None else jax.lax.with_sharding_constraint(x, spec)
 
 
-def choose_model_parallel(weight_bytes: int, device_bytes: int | None, devices: int) -> int:
+def choose_model_parallel(weight_bytes: int, device_bytes: int | None, devices: int, text_bytes: int = 0) -> int:
     """The fewest devices per copy of the weights such that each holds at most WEIGHTS_SHARE
     of `device_bytes`, the memory JAX may use there, in weights (1 where the backend reports
-    no memory limit, as XLA's CPU one)."""
+    no memory limit, as XLA's CPU one). Of `weight_bytes`, the text encoders' `text_bytes`
+    are not split by the model axis: whole on each device, or, where that does not fit,
+    spread over every device (`split_text_encoders`)."""
     if not device_bytes:
         return 1
     for n in (n for n in range(1, devices + 1) if devices % n == 0):
-        if weight_bytes / n <= WEIGHTS_SHARE * device_bytes:
+        if weights_per_device(weight_bytes, text_bytes, n, devices, text_split=True) <= WEIGHTS_SHARE * device_bytes:
             return n
     raise ValueError(f"{weight_bytes / 1e9:.1f} GB of weights do not fit {devices} devices of "
                      f"{device_bytes / 1e9:.1f} GB (at most {WEIGHTS_SHARE:.0%} of each for weights)")
+
+
+def split_text_encoders(weight_bytes: int, text_bytes: int, device_bytes: int | None, model_parallel: int,
+                        devices: int) -> bool:
+    """Whether the text encoders' weights go spread over all `devices` (each holds a slice of
+    each, gathered while their program runs once a batch) rather than whole on each: where
+    whole they would take a device past WEIGHTS_SHARE of `device_bytes` at `model_parallel`
+    and spread they take less."""
+    if not device_bytes or not text_bytes or devices == 1:
+        return False
+    return weights_per_device(weight_bytes, text_bytes, model_parallel, devices) > WEIGHTS_SHARE * device_bytes
+
+
+def weights_per_device(weight_bytes: int, text_bytes: int, model_parallel: int, devices: int,
+                       text_split: bool = False) -> float:
+    """A device's share of the weights: the rest split `model_parallel` ways, the text encoders
+    whole (or, `text_split`, the smaller of whole and spread over every device)."""
+    text = min(text_bytes, text_bytes / devices) if text_split else text_bytes
+    return (weight_bytes - text_bytes) / model_parallel + text
+
+
+def spread(params: Any, devices: int) -> Any:
+    """A PartitionSpec per weight of `params` (a tree of arrays or shapes) spreading it over
+    every device of the mesh (both axes): its largest axis that `devices` divides, else whole.
+    For weights only read once a batch (the text encoders'), gathered where their program
+    needs them."""
+    def spec(leaf: Any) -> PartitionSpec:
+        shape = tuple(leaf.shape)
+        axes = sorted((a for a in range(len(shape)) if shape[a] % devices == 0), key=lambda a: -shape[a])
+        return PartitionSpec(*[(DATA, MODEL) if axes and a == axes[0] else None for a in range(len(shape))])
+
+    return jax.tree.map(spec, params)

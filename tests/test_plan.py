@@ -126,6 +126,20 @@ def test_a_program_that_does_not_fit_says_by_how_much_per_chip(cli: Cli, tiny_sd
            "over the 1.00 MB usable" in text
 
 
+def test_text_encoders_too_large_to_sit_whole_beside_the_rest_are_spread_over_every_chip(
+        cli: Cli, tiny_sd: Path) -> None:
+    """Told to keep a copy of the weights on each chip where they take more than the share
+    weights may take, the text encoders are spread over all chips: each program then holds the
+    rest whole and an eighth of the text encoders."""
+    code, data = plan_json(cli, tiny_sd, "--target", "cpu", "--size", "64", "--steps", "2", "--model-parallel", "1",
+                           "--memory-per-chip", "0.0025")  # 75% of 2.5 MB: less than the tiny SD's 2.17 MB
+    assert data["text_split"] is True and data["devices"] == 8
+    encoder, program = data["programs"]
+    assert encoder["compiled"] and program["compiled"] and encoder["shape"] == "text encoders"
+    assert program["weights_bytes"] < data["weights_bytes"]  # the rest whole, an eighth of the text encoders
+    assert "; the text encoders spread over every chip" in format_plan(as_plan(data))
+
+
 def test_the_command_refuses_bad_input_by_name(cli: Cli) -> None:
     code, out, err = cli("plan", "sd15", "--target", "cpu", "--per-device-batch", "0")
     assert (code, out) == (2, "") and "per-device-batch=0: must be at least 1" in err

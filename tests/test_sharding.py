@@ -3,6 +3,7 @@ mesh, on 8 CPU devices, and the split chosen from the devices' memory."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -15,7 +16,14 @@ from jax.sharding import PartitionSpec
 
 from diffusion.models import load_model
 from diffusion.placement import make_placement
-from diffusion.sharding import MODEL, TensorParallel, choose_model_parallel, interleave, weight_specs
+from diffusion.sharding import (
+    MODEL,
+    TensorParallel,
+    choose_model_parallel,
+    interleave,
+    split_text_encoders,
+    weight_specs,
+)
 from renderfarm.jobs import JobError, JobSpec
 from worker.engine import Engine
 
@@ -66,6 +74,15 @@ def test_the_split_is_the_fewest_devices_whose_memory_holds_the_weights() -> Non
     assert choose_model_parallel(2 * gb, h100, 8) == 1  # SD 1.5
     assert choose_model_parallel(100 * gb, None, 8) == 1  # no memory limit reported (CPU)
     assert choose_model_parallel(40 * gb, 16 * gb, 6) == 6  # divisors of 6: 1, 2, 3 (13.3 GB each: too many), 6
+    # Flux dev's 9.75 GB of text encoders (T5-XXL, CLIP-L) are not split by the model axis: whole
+    # on every chip beside its share of the transformer, or spread over all eight chips where
+    # whole they do not fit
+    flux, text, v6e = 34 * gb, int(9.75 * gb), int(32 * 2**30 * 0.9)
+    assert choose_model_parallel(flux, v5e, 8, text) == 4 and split_text_encoders(flux, text, v5e, 4, 8)
+    assert choose_model_parallel(flux, v6e, 8, text) == 2 and not split_text_encoders(flux, text, v6e, 2, 8)
+    assert split_text_encoders(flux, text, v6e, 1, 8)  # the transformer whole on a v6e chip: T5 spread beside it
+    assert choose_model_parallel(flux, h100, 8, text) == 1 and not split_text_encoders(flux, text, h100, 1, 8)
+    assert not split_text_encoders(flux, text, None, 1, 8)  # no memory limit reported (CPU)
     with pytest.raises(ValueError, match="do not fit 8 devices of 16.0 GB"):
         choose_model_parallel(200 * gb, 16 * gb, 8)
     with pytest.raises(JobError, match="model_parallel=3: must divide the 8 devices"):
@@ -104,6 +121,23 @@ def test_every_mesh_renders_the_same_images(images_by_mesh: dict[int, np.ndarray
     assert len({image.tobytes() for image in images_by_mesh[1]}) == len(PROMPTS)
     for model_parallel in (4, 8):
         assert np.abs(images_by_mesh[model_parallel].astype(int) - whole).max() <= 1, model_parallel
+
+
+@pytest.mark.parametrize("model_parallel", [1, 4])
+def test_text_encoders_spread_over_every_device_render_the_same_images(
+        tiny_sd: Path, images_by_mesh: dict[int, np.ndarray], model_parallel: int) -> None:
+    """Spread (`split_text_encoders`), each device holds a slice of every text encoder weight a
+    device count divides, and their program runs over the mesh: the images do not change."""
+    model = load_model(str(tiny_sd), model_parallel=model_parallel)
+    placement = make_placement(jax.devices(), model_parallel, text_split=True)
+    engine = Engine(dataclasses.replace(model, placement=placement))
+    shards = [(leaf.size, {shard.data.size for shard in leaf.addressable_shards})
+              for leaf in jax.tree.leaves(engine._params["text_encoder"]) if any(d % 8 == 0 for d in leaf.shape)]
+    assert shards and all(sizes == {size // 8} for size, sizes in shards)
+    specs = [JobSpec(prompt=p, seed=n, steps=3, guidance_scale=7.5, width=64, height=64, model=str(tiny_sd))
+             for n, p in enumerate(PROMPTS)]
+    images = np.stack([r.image for r in engine.render(specs)])
+    assert np.abs(images.astype(int) - images_by_mesh[1].astype(int)).max() <= 1
 
 
 def test_a_split_that_does_not_divide_the_devices_is_refused(tiny_sd: Path) -> None:

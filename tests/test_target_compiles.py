@@ -142,17 +142,22 @@ def test_the_program_compiles_for_eight_h100s_with_cudnn_and_partitions_as_tenso
     _assert_tensor_parallel(model, h100_8, GPU_SPLIT, hlo)
 
 
-def test_the_text_encoders_program_compiles_for_a_v5e_8_split_over_every_chip(
+def test_the_text_encoders_program_compiles_for_a_v5e_8_whole_on_each_chip_or_spread_over_all(
         model: LoadedModel, v5e_8: list[jax.Device]) -> None:
-    """The text encoders run whole on every chip of a split, in a program of their own: XLA's
-    attention (77 CLIP tokens; T5's position bias), no collective but to gather the batch."""
-    placement = make_placement(v5e_8, SPLITS[-1])
-    text, _ = by_program(model.family, placement.abstract(model.family, model.params))
-    with recording() as calls:
-        lowered = lower_encode(model.family, model.networks, model.family.classifier_free, placement, text,
-                               model.abstract_inputs(placement.batch_size(1), placement.batch))
-    hlo = lowered.compile().as_text()
-    assert {call.kernel for call in calls} == {"heads"} and "all-reduce(" not in hlo
+    """The text encoders run in a program of their own with XLA's attention (77 CLIP tokens; T5's
+    position bias): whole on every chip of the widest split, all-reducing nothing; or spread over
+    all eight chips (`split_text_encoders`), each holding an eighth of their weights."""
+    programs = {}
+    for placement in (make_placement(v5e_8, SPLITS[-1]), make_placement(v5e_8, 1, text_split=True)):
+        text, _ = by_program(model.family, placement.abstract(model.family, model.params))
+        with recording() as calls:
+            lowered = lower_encode(model.family, model.networks, model.family.classifier_free, placement, text,
+                                   model.abstract_inputs(placement.batch_size(1), placement.batch))
+        programs[placement.text_split] = lowered.compile()
+        assert {call.kernel for call in calls} == {"heads"}
+    assert "all-reduce(" not in programs[False].as_text()
+    whole, spread = (programs[split].memory_analysis().argument_size_in_bytes for split in (False, True))
+    assert spread < whole / 2, (spread, whole)
 
 
 def _assert_tensor_parallel(model: LoadedModel, devices: list[jax.Device], split: int, hlo: str) -> None:

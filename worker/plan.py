@@ -35,6 +35,7 @@ from renderfarm.jobs import JobError
 
 if TYPE_CHECKING:
     from diffusion.models import LoadedModel
+    from diffusion.placement import Placement
     from diffusion.targets import Target
     from worker.engine import Engine, ShapeKey
 
@@ -152,6 +153,7 @@ class Plan:
     weights_bytes: int  # one whole copy
     auto_model_parallel: int | None  # the split `--model-parallel auto` takes; None: the weights fit nowhere
     auto_error: str | None
+    text_split: bool  # the text encoders' weights spread over every chip (they do not fit whole beside the rest)
     programs: list[ProgramPlan]
 
     @property
@@ -169,7 +171,8 @@ def make_plan(ref: str, target_name: str, size: tuple[int, int] | None = None, s
     chip; `job` is one of JOB_FIELDS (text to image, image to image, inpainting). `model_parallel` None takes the split `auto` chooses; `memory_per_chip` replaces the
     target's memory."""
     from diffusion.architectures import abstract_model
-    from diffusion.sharding import choose_model_parallel
+    from diffusion.placement import make_placement
+    from diffusion.sharding import choose_model_parallel, split_text_encoders
     from diffusion.targets import target, target_devices
     from renderfarm.jobs import parse_job
     from worker.engine import shape_key
@@ -184,9 +187,10 @@ def make_plan(ref: str, target_name: str, size: tuple[int, int] | None = None, s
     devices = list(target_devices(chosen))
     model = abstract_model(ref, dtype)
     weights = _bytes(model.params)
+    text_bytes = sum(_bytes(model.params[name]) for name in model.family.text_encoders)
     usable = chosen.usable_bytes
     try:
-        auto, auto_error = choose_model_parallel(weights, usable, len(devices)), None
+        auto, auto_error = choose_model_parallel(weights, usable, len(devices), text_bytes), None
     except ValueError as err:
         auto, auto_error = None, str(err)
     split = model_parallel or auto
@@ -205,14 +209,15 @@ def make_plan(ref: str, target_name: str, size: tuple[int, int] | None = None, s
         if err.field in images:  # a placeholder's: the model does not render this kind of job
             raise JobError("job", job, err.rule) from None
         raise
-    programs = _programs(model, chosen, devices, split, per_device_batch, list(keys))
+    text_split = split_text_encoders(weights, text_bytes, usable, split, len(devices))
+    programs = _programs(model, chosen, make_placement(devices, split, text_split), per_device_batch, list(keys))
     return Plan(model=ref, family=model.family.name, dtype=dtype, target=chosen.name, target_label=chosen.label,
                 devices=len(devices), memory_per_chip=chosen.memory, usable_per_chip=usable,
                 peak_flops_per_chip=chosen.peak_flops, weights_bytes=weights, auto_model_parallel=auto,
-                auto_error=auto_error, programs=programs)
+                auto_error=auto_error, text_split=text_split, programs=programs)
 
 
-def _programs(model: LoadedModel, chosen: Target, devices: list[Any], split: int, per_device_batch: int,
+def _programs(model: LoadedModel, chosen: Target, placement: Placement, per_device_batch: int,
               keys: list[ShapeKey]) -> list[ProgramPlan]:
     """The text encoders' program for each guidance kind of `keys`, then each key's generate
     program, compiled for the target's devices: what XLA says of each. Every program's weights
@@ -220,11 +225,11 @@ def _programs(model: LoadedModel, chosen: Target, devices: list[Any], split: int
     per image count its text encoders' program too."""
     from diffusion.flops import denoise_flops
     from diffusion.generate import Static, text_inputs
-    from diffusion.placement import Placement, by_program, encoded_shapes, lower_encode, lower_generate, make_placement
+    from diffusion.placement import by_program, encoded_shapes, lower_encode, lower_generate
     from diffusion.schedulers import make
 
     family, networks = model.family, model.networks
-    placement = make_placement(devices, split)
+    devices, split = placement.devices, placement.model_parallel
     batch = placement.batch_size(per_device_batch)
     # each program's weights per chip, as placed: the text encoders', the rest
     text_bytes, other_bytes = (sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
@@ -372,7 +377,8 @@ def format_plan(plan: Plan) -> str:
             else f"none ({plan.auto_error})")
     lines = [f"{plan.model} ({plan.family}, {plan.dtype}) on {plan.target}: {plan.target_label}, "
              f"{plan.devices} devices, {memory}",
-             f"weights {_gb(plan.weights_bytes)} a copy; auto split: {auto}"]
+             f"weights {_gb(plan.weights_bytes)} a copy; auto split: {auto}"
+             + ("; the text encoders spread over every chip" if plan.text_split else "")]
     for p in plan.programs:
         copy = "device" if p.model_parallel == 1 else f"{p.model_parallel} devices"
         lines.append(f"\n{p.shape}: batch {p.batch} ({p.per_device_batch} per {copy}, model parallel "
