@@ -5,8 +5,9 @@ last axis and the bias over `model`) and those split by input rows (the attentio
 an MLP's second layer: the kernel's first input axis; the bias whole, added once after the
 partial sums are reduced). Every other weight (norms, embeddings, convolutions, the VAE,
 the text encoders) stays whole on each device, but for the text encoders of a model too large
-for that, which are spread over every device instead (`split_text_encoders`, `spread`). So a transformer block needs one all-reduce
-after its attention and one after its MLP, and no weight moves while the model runs.
+for that, which are spread over every device instead (`split_text_encoders`, `spread`). So a
+transformer block needs one all-reduce after its attention and one after its MLP, and no
+weight moves while the denoiser runs.
 
 While a split network is traced (`tensor_parallel`), its activations are constrained as
 Megatron keeps them (`constrain`): each block's input and output whole on every device of the
@@ -207,8 +208,8 @@ def split_text_encoders(weight_bytes: int, text_bytes: int, device_bytes: int | 
 def weights_per_device(weight_bytes: int, text_bytes: int, model_parallel: int, devices: int,
                        text_split: bool = False) -> float:
     """A device's share of the weights: the rest split `model_parallel` ways, the text encoders
-    whole (or, `text_split`, the smaller of whole and spread over every device)."""
-    text = min(text_bytes, text_bytes / devices) if text_split else text_bytes
+    whole (or, `text_split`, spread over every device)."""
+    text = text_bytes / devices if text_split else text_bytes
     return (weight_bytes - text_bytes) / model_parallel + text
 
 
