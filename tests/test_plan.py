@@ -137,7 +137,7 @@ def test_text_encoders_too_large_to_sit_whole_beside_the_rest_are_spread_over_ev
     encoder, program = data["programs"]
     assert encoder["compiled"] and program["compiled"] and encoder["shape"] == "text encoders"
     assert program["weights_bytes"] < data["weights_bytes"]  # the rest whole, an eighth of the text encoders
-    assert "; the text encoders spread over every chip" in format_plan(as_plan(data))
+    assert "; at model parallel 1 the text encoders are spread over every chip" in format_plan(as_plan(data))
 
 
 def test_the_command_refuses_bad_input_by_name(cli: Cli) -> None:

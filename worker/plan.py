@@ -378,7 +378,8 @@ def format_plan(plan: Plan) -> str:
     lines = [f"{plan.model} ({plan.family}, {plan.dtype}) on {plan.target}: {plan.target_label}, "
              f"{plan.devices} devices, {memory}",
              f"weights {_gb(plan.weights_bytes)} a copy; auto split: {auto}"
-             + ("; the text encoders spread over every chip" if plan.text_split else "")]
+             + (f"; at model parallel {plan.programs[0].model_parallel} the text encoders are spread over every chip"
+                if plan.text_split else "")]
     for p in plan.programs:
         copy = "device" if p.model_parallel == 1 else f"{p.model_parallel} devices"
         lines.append(f"\n{p.shape}: batch {p.batch} ({p.per_device_batch} per {copy}, model parallel "
