@@ -221,8 +221,8 @@ def _programs(model: LoadedModel, chosen: Target, placement: Placement, per_devi
               keys: list[ShapeKey]) -> list[ProgramPlan]:
     """The text encoders' program for each guidance kind of `keys`, then each key's generate
     program, compiled for the target's devices: what XLA says of each. Every program's weights
-    per chip are all the model's (the worker keeps them all on the devices), and a shape's FLOPs
-    per image count its text encoders' program too."""
+    per chip are all that the chip holds of the model (the worker keeps both programs' weights
+    on the devices), and a shape's FLOPs per image count its text encoders' program too."""
     from diffusion.flops import denoise_flops
     from diffusion.generate import Static, text_inputs
     from diffusion.placement import by_program, encoded_shapes, lower_encode, lower_generate
