@@ -220,7 +220,7 @@ def spread(params: Any, devices: int) -> Any:
     needs them."""
     def spec(leaf: Any) -> PartitionSpec:
         shape = tuple(leaf.shape)
-        axes = sorted((a for a in range(len(shape)) if shape[a] % devices == 0), key=lambda a: -shape[a])
-        return PartitionSpec(*[(DATA, MODEL) if axes and a == axes[0] else None for a in range(len(shape))])
+        axis = max((a for a in range(len(shape)) if shape[a] % devices == 0), key=lambda a: shape[a], default=None)
+        return PartitionSpec(*[(DATA, MODEL) if a == axis else None for a in range(len(shape))])
 
     return jax.tree.map(spec, params)

@@ -391,7 +391,7 @@ class Engine:
         return fingerprint(family=self.model.family.name, dtype=self.model.dtype, configs=self.model.configs,
                            options=self.model.networks.options,
                            key=key, batch_size=self.batch_size,
-                           model_parallel=self.model.model_parallel,
+                           model_parallel=self.model.model_parallel, text_split=self.placement.text_split,
                            devices=[(d.platform, d.device_kind, d.id) for d in self.devices])
 
     def _program_flops(self, compiled: Any) -> float | None:

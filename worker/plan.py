@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -240,12 +241,19 @@ def _programs(model: LoadedModel, chosen: Target, placement: Placement, per_devi
         return ProgramPlan(shape=shape, guided=guided, per_device_batch=per_device_batch, batch=batch,
                            model_parallel=split, compiled=False)
 
-    def shapes(where: Placement, key: ShapeKey) -> tuple[Any, Any, Any, Any]:
+    @functools.cache
+    def arguments(where: Placement, key: ShapeKey) -> tuple[Any, Any, Any]:
         """The programs' arguments for `key` as shapes placed on `where`: the text encoders'
-        weights, the other weights, the batch's inputs and what the text encoders return."""
+        weights, the other weights and the batch's inputs."""
         text, weights = by_program(family, where.abstract(family, model.params))
-        inputs = model.abstract_inputs(batch, where.batch, (key.height, key.width) if key.image else None, key.mask)
-        return text, weights, inputs, encoded_shapes(family, networks, key.guided, where, text, text_inputs(inputs))
+        return text, weights, model.abstract_inputs(batch, where.batch, (key.height, key.width) if key.image else None,
+                                                    key.mask)
+
+    @functools.cache
+    def encoded(where: Placement, key: ShapeKey) -> Any:
+        """What the text encoders return for `key`'s batch, as shapes (traced once a placement)."""
+        text, _, inputs = arguments(where, key)
+        return encoded_shapes(family, networks, key.guided, where, text, text_inputs(inputs))
 
     programs, encoder_flops = [], {}
     firsts: dict[bool, ShapeKey] = {}
@@ -253,11 +261,11 @@ def _programs(model: LoadedModel, chosen: Target, placement: Placement, per_devi
         firsts.setdefault(key.guided, key)
     for guided, first in firsts.items():
         def lower_text(where: Placement, first: ShapeKey = first) -> Any:
-            text, _, inputs, _ = shapes(where, first)
+            text, _, inputs = arguments(where, first)
             return lower_encode(family, networks, first.guided, where, text, text_inputs(inputs))
 
         plan = program(f"text encoders{'' if guided else ' cfg-free'}", guided)
-        compiled = _compile(plan, chosen, placement, text_inputs(shapes(placement, first)[2]), lower_text,
+        compiled = _compile(plan, chosen, placement, text_inputs(arguments(placement, first)[2]), lower_text,
                             text_bytes, other_bytes)
         counted = None if compiled is None else _flops(compiled, len(devices), lower_text)
         if counted is not None:
@@ -265,13 +273,14 @@ def _programs(model: LoadedModel, chosen: Target, placement: Placement, per_devi
         programs.append(plan)
     for key in keys:
         def lower(where: Placement, key: ShapeKey = key) -> Any:
-            _, weights, inputs, encoded = shapes(where, key)
+            _, weights, inputs = arguments(where, key)
             return lower_generate(family, networks, make(key.scheduler, model.configs["scheduler"]),
                                   Static(key.height, key.width, key.steps, key.guided, key.image, key.mask),
-                                  where, weights, inputs, encoded)
+                                  where, weights, inputs, encoded(where, key))
 
         plan = program(str(key), key.guided)
-        compiled = _compile(plan, chosen, placement, shapes(placement, key)[2:], lower, other_bytes, text_bytes)
+        compiled = _compile(plan, chosen, placement, (arguments(placement, key)[2], encoded(placement, key)), lower,
+                            other_bytes, text_bytes)
         if compiled is not None:
             denoiser = family.denoiser_flops(networks, model.params, (2 if key.guided else 1) * batch, key.height,
                                              key.width)
