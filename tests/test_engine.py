@@ -44,16 +44,18 @@ def test_a_job_is_the_same_image_wherever_it_runs(folder: str, scheduler: str) -
         references, image_root = BATCHES[(folder, None, scheduler, 64, 64)], ORACLE
     references = [job for job in references if representable(job, model)]
     specs = [spec(model, job) for job in references]
-    one_device = Engine(model, devices=jax.devices()[:1])
+    # the device count is the engine's alone: checked on the SD cases, not compiled again for SDXL
+    one_device = Engine(model, devices=jax.devices()[:1]) if folder.startswith("sd1") else None
     for target in (0, 1):  # no negative prompt, then one
         expected = np.asarray(Image.open(image_root / references[target]["image"]).convert("RGB"))
         batch = specs + [dataclasses.replace(specs[target], seed=s) for s in range(8 - len(specs))]
         alone = engine.render([specs[target]])[0].image
         full = engine.render(batch)[target].image
         moved = engine.render(batch[::-1])[len(batch) - 1 - target].image
-        on_one = one_device.render([specs[target]])[0].image
-        for name, got in (("alone", alone), ("in a full batch", full),
-                          ("at another position", moved), ("on one device", on_one)):
+        checks = [("alone", alone), ("in a full batch", full), ("at another position", moved)]
+        if one_device:
+            checks.append(("on one device", one_device.render([specs[target]])[0].image))
+        for name, got in checks:
             assert max_diff(got, expected) <= TOLERANCE, f"{folder} {scheduler} job {target} {name} differs from PyTorch"
         assert max_diff(alone, full) <= 1 and max_diff(full, moved) <= 1
     # Different jobs in one batch really are different images.
