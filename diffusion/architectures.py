@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from diffusion.errors import ModelError
 
 if TYPE_CHECKING:
+    from diffusion.family import Family, Networks
     from diffusion.models import LoadedModel
 
 FOLDER = Path(__file__).with_name("architectures")
@@ -47,10 +48,30 @@ def abstract_model(ref: str, dtype: str = "bfloat16") -> LoadedModel:
     imported here, not with the module: the command line lists the names without it."""
     import jax
 
+    from diffusion.models import JAX_DTYPES, LoadedModel
+    from diffusion.nn import parameter_shapes
+
+    family, revision, configs, tokenizers, networks = _describe(ref, dtype)
+    cast = lambda leaf: jax.ShapeDtypeStruct(  # noqa: E731 - floating weights in `dtype`, as the loader holds them
+        leaf.shape, JAX_DTYPES[dtype] if jax.numpy.issubdtype(leaf.dtype, jax.numpy.floating) else leaf.dtype)
+    params = {name: jax.tree.map(cast, parameter_shapes(module)) for name, module in networks.modules}
+    return LoadedModel(ref=ref, revision=revision, family=family, dtype=dtype, variant=None, networks=networks,
+                       params=params, tokenizers=tokenizers, configs=configs)
+
+
+def abstract_networks(ref: str, dtype: str = "bfloat16") -> tuple[Family, Networks]:
+    """The family and networks of the model `ref` names, without tracing its parameters (seconds
+    for a full-size model): what its geometry (`Family.geometry`: size step, native size) needs."""
+    family, _, _, _, networks = _describe(ref, dtype)
+    return family, networks
+
+
+def _describe(ref: str, dtype: str) -> tuple[Family, str | None, dict[str, Any], list[Any], Networks]:
+    """Family, revision, configs, tokenizers (or their lengths) and networks of `ref`, read as
+    the loader reads them."""
     from diffusion.families import detect
     from diffusion.family import Networks
-    from diffusion.models import JAX_DTYPES, LoadedModel, _config, _read_json, is_single_file, resolve
-    from diffusion.nn import parameter_shapes
+    from diffusion.models import JAX_DTYPES, _config, _read_json, is_single_file, resolve
     from diffusion.tokenizer import TokenizerError
 
     if dtype not in JAX_DTYPES:
@@ -76,11 +97,6 @@ def abstract_model(ref: str, dtype: str = "bfloat16") -> LoadedModel:
             raise ModelError("model", ref, str(err)) from None
     modules = {name: component.module(_config(ref, family, name, configs), dtype=JAX_DTYPES[dtype])
                for name, component in family.components.items()}
-    cast = lambda leaf: jax.ShapeDtypeStruct(  # noqa: E731 - floating weights in `dtype`, as the loader holds them
-        leaf.shape, JAX_DTYPES[dtype] if jax.numpy.issubdtype(leaf.dtype, jax.numpy.floating) else leaf.dtype)
-    params = {name: jax.tree.map(cast, parameter_shapes(module)) for name, module in modules.items()}
     options = tuple((name, index.get(name, default)) for name, default in family.options)
-    return LoadedModel(ref=ref, revision=revision, family=family, dtype=dtype, variant=None,
-                       networks=Networks(tuple(modules.items()), options), params=params, tokenizers=tokenizers,
-                       configs={name: configs[name] for name in (*family.components, "scheduler")})
-
+    return (family, revision, {name: configs[name] for name in (*family.components, "scheduler")}, tokenizers,
+            Networks(tuple(modules.items()), options))

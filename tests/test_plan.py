@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from diffusion.architectures import ARCHITECTURES, abstract_model
+from diffusion.architectures import ARCHITECTURES, abstract_model, abstract_networks
 from diffusion.nn.attention import Call, attention, recording, use_kernel
 from diffusion.targets import GIB, TARGETS, target
 from renderfarm.jobs import COARSEST_SIZE_STEP, FINEST_SIZE_STEP, JobError, JobSpec, parse_job
@@ -179,7 +179,8 @@ def test_published_architectures_have_the_released_sizes(name: str, family: str,
 def test_the_producers_size_steps_are_the_published_architectures_finest_and_coarsest() -> None:
     """A Flux job 1008 wide passes the producer, which does not know its model's family; the
     worker holds it to its own model's step: Flux's takes it, SD 1.5's refuses it by name."""
-    steps = {name: abstract_model(name).size_step for name in ARCHITECTURES}
+    steps = {name: family.geometry(networks).size_step
+             for name in ARCHITECTURES for family, networks in [abstract_networks(name)]}
     assert (min(steps.values()), max(steps.values())) == (FINEST_SIZE_STEP, COARSEST_SIZE_STEP)
     job = {"prompt": "a fox", "model": "m", "seed": 1, "width": 1008}
     assert parse_job(job).width == parse_job(job, size_step=steps["flux-dev"]).width == 1008
