@@ -106,6 +106,14 @@ class Target:
     gpu: Gpu | None = None  # the GPU (cuda targets)
 
     @property
+    def compiler_options(self) -> dict[str, int]:
+        """XLA's options for compiling for this target without its devices. A GPU's autotuner
+        (`xla_gpu_autotune_level`, 0: off) can time no candidate kernel on a machine without the
+        GPU, and trying them took half of a tiny model's compile; XLA's default kernels stand in,
+        with the same memory counts. A worker on the GPU compiles, and autotunes, its own."""
+        return {"xla_gpu_autotune_level": 0} if self.platform == "cuda" else {}
+
+    @property
     def usable_bytes(self) -> int | None:
         """What a program may take of one device's memory (None: no limit known)."""
         return None if self.memory is None else int(self.memory * self.usable)

@@ -75,9 +75,9 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     return abstract_model(str(folder), "bfloat16")
 
 
-def _compile(model: LoadedModel, devices: list[jax.Device], split: int) -> tuple[str, list[str]]:
-    """The compiled HLO of the model's generate program (guided where its family guides) and
-    the kernel each traced attention took."""
+def _compile(model: LoadedModel, name: str, devices: list[jax.Device], split: int) -> tuple[str, list[str]]:
+    """The compiled HLO of the model's generate program (guided where its family guides) for
+    target `name`'s `devices`, and the kernel each traced attention took."""
     placement = make_placement(devices, split)
     scheduler = model.family.schedulers[0] if model.family.name == "flux" else "ddim"
     guided = model.family.classifier_free
@@ -87,7 +87,7 @@ def _compile(model: LoadedModel, devices: list[jax.Device], split: int) -> tuple
         lowered = lower_generate(model.family, model.networks, make(scheduler, model.configs["scheduler"]),
                                  Static(SIZE, SIZE, STEPS, guided), placement, weights, inputs,
                                  encoded_shapes(model.family, model.networks, guided, placement, text, inputs))
-    return lowered.compile().as_text(), [call.kernel for call in calls]
+    return lowered.compile(compiler_options=target(name).compiler_options).as_text(), [call.kernel for call in calls]
 
 
 def _computations(hlo: str) -> dict[str, str]:
@@ -126,14 +126,14 @@ def _collectives(loop: str, op: str) -> list[list[tuple[int, ...]]]:
 @pytest.mark.parametrize("split", SPLITS)
 def test_the_program_compiles_for_a_v5e_8_and_partitions_as_tensor_parallelism_does(
         model: LoadedModel, v5e_8: list[jax.Device], split: int) -> None:
-    hlo, kernels = _compile(model, v5e_8, split)
+    hlo, kernels = _compile(model, "tpu-v5e-8", v5e_8, split)
     assert "splash" in kernels and "tpu_custom_call" in hlo  # Mosaic kernels, under shard_map where split
     _assert_tensor_parallel(model, v5e_8, split, hlo)
 
 
 def test_the_program_compiles_for_eight_h100s_with_cudnn_and_partitions_as_tensor_parallelism_does(
         model: LoadedModel, h100_8: list[jax.Device]) -> None:
-    hlo, kernels = _compile(model, h100_8, GPU_SPLIT)
+    hlo, kernels = _compile(model, "h100-8", h100_8, GPU_SPLIT)
     # cuDNN for every attention of the tiny denoisers and VAEs (bfloat16, narrow heads), a custom
     # call each device runs on its part
     assert set(kernels) == {"cudnn"}

@@ -309,7 +309,7 @@ def _compile(plan: ProgramPlan, chosen: Target, placement: Any, inputs: Any, low
     plan.kernels = dict(collections.Counter(call.kernel for call in calls))
     started = time.perf_counter()
     try:
-        compiled = lowered.compile()
+        compiled = lowered.compile(compiler_options=chosen.compiler_options)
     except Exception as err:  # noqa: BLE001 - the compiler's refusal is the report
         plan.compile_seconds = time.perf_counter() - started
         plan.error = "\n".join(str(err).strip().splitlines()[:ERROR_LINES])
