@@ -62,7 +62,7 @@ from diffusion.convert import WeightsError
 from diffusion.errors import ModelError
 from diffusion.nn import parameter_shapes
 from diffusion.nn.clip import CLIPConfig, CLIPModel, CLIPVisionModel
-from diffusion.nn.layers import Dtype
+from diffusion.nn.layers import Dense, Dtype, param
 from diffusion.tokenizer import CLIPTokenizer, TokenizerError
 from diffusion.weights import PICKLE_SUFFIXES, load_tensors, load_weights, read_header
 # CLIPImageProcessor's (OpenAI CLIP's) normalisation.
@@ -109,16 +109,15 @@ class SafetyTower(nn.Module):
     def __call__(self, pixels: jax.Array) -> jax.Array:
         cfg = self.config
         pooled = CLIPVisionModel(cfg.vision_config, self.dtype, name="vision_model")(pixels)
-        embeds = nn.Dense(cfg.projection_dim, use_bias=False, dtype=self.dtype, name="visual_projection")(pooled)
-        ones = nn.initializers.ones
-        self.param("concept_embeds", ones, (CONCEPTS, cfg.projection_dim))
-        self.param("special_care_embeds", ones, (SPECIAL_CONCEPTS, cfg.projection_dim))
-        self.param("concept_embeds_weights", ones, (CONCEPTS,))
-        self.param("special_care_embeds_weights", ones, (SPECIAL_CONCEPTS,))
+        embeds = Dense(cfg.projection_dim, use_bias=False, dtype=self.dtype, name="visual_projection")(pooled)
+        param(self, "concept_embeds", (CONCEPTS, cfg.projection_dim))
+        param(self, "special_care_embeds", (SPECIAL_CONCEPTS, cfg.projection_dim))
+        param(self, "concept_embeds_weights", (CONCEPTS,))
+        param(self, "special_care_embeds_weights", (SPECIAL_CONCEPTS,))
         return embeds
 
     def init_params(self, rng: jax.Array) -> dict:
-        """Random parameters of the checkpoint's shapes (under `jax.eval_shape`, the shapes alone)."""
+        """Parameters of the checkpoint's shapes (under `jax.eval_shape`, the shapes alone)."""
         size = self.config.vision_config.image_size
         return self.init(rng, jnp.zeros((1, size, size, self.config.vision_config.num_channels)))["params"]
 
@@ -131,7 +130,7 @@ class _AestheticLayers(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         for index, features in AESTHETIC_LAYERS:  # no activations: the published model is linear
-            x = nn.Dense(features, dtype=self.dtype, name=index)(x)
+            x = Dense(features, dtype=self.dtype, name=index)(x)
         return x
 
 
@@ -146,7 +145,7 @@ class AestheticPredictor(nn.Module):
         return _AestheticLayers(self.dtype, name="layers")(embeds.astype(self.dtype))
 
     def init_params(self, rng: jax.Array) -> dict:
-        """Random parameters of the predictor's shapes (under `jax.eval_shape`, the shapes alone)."""
+        """Parameters of the predictor's shapes (under `jax.eval_shape`, the shapes alone)."""
         return self.init(rng, jnp.zeros((1, self.input_size)))["params"]
 
 

@@ -14,8 +14,8 @@ compute what the PyTorch modules compute:
 - `t5.py`: T5EncoderModel (Flux's second text encoder);
 - `flux.py`: FluxTransformer2DModel (double- and single-stream blocks);
 - `attention.py`: the one place attention is computed (head layout, kernel choice);
-- `layers.py`: the layers several of them share (convolution padding, norms, feed-forward,
-  timestep embedding).
+- `layers.py`: the layers they are made of (parameters, linear, convolution and embedding
+  layers, norms, feed-forward, timestep embedding).
 
 Where diffusers' Flax classes (0.39) differ from PyTorch (0.42), these follow PyTorch:
 GroupNorm groups from `norm_num_groups` (Flax's UNet hard-codes 32) and eps from

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from diffusion.nn import read_config, refuse
 from diffusion.nn.attention import attention
-from diffusion.nn.layers import Dtype, LayerNorm
+from diffusion.nn.layers import Conv, Dense, Dtype, Embed, LayerNorm, param
 
 ACTIVATIONS = {
     "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),  # OpenAI CLIP (SD 1.x, SDXL's first encoder)
@@ -140,7 +140,7 @@ class CLIPAttention(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        dense = lambda name: nn.Dense(self.config.hidden_size, dtype=self.dtype, name=name)  # noqa: E731
+        dense = lambda name: Dense(self.config.hidden_size, dtype=self.dtype, name=name)  # noqa: E731
         q, k, v = dense("q_proj")(x), dense("k_proj")(x), dense("v_proj")(x)
         return dense("out_proj")(attention(q, k, v, self.config.num_attention_heads, causal=self.causal))
 
@@ -151,9 +151,9 @@ class CLIPMLP(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = nn.Dense(self.config.intermediate_size, dtype=self.dtype, name="fc1")(x)
+        x = Dense(self.config.intermediate_size, dtype=self.dtype, name="fc1")(x)
         x = ACTIVATIONS[self.config.hidden_act](x)
-        return nn.Dense(self.config.hidden_size, dtype=self.dtype, name="fc2")(x)
+        return Dense(self.config.hidden_size, dtype=self.dtype, name="fc2")(x)
 
 
 class CLIPEncoderLayer(nn.Module):
@@ -202,8 +202,8 @@ class CLIPTextEmbeddings(nn.Module):
     @nn.compact
     def __call__(self, input_ids: jax.Array) -> jax.Array:
         cfg = self.config
-        tokens = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, name="token_embedding")(input_ids)
-        positions = nn.Embed(cfg.max_position_embeddings, cfg.hidden_size, dtype=self.dtype,
+        tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype, name="token_embedding")(input_ids)
+        positions = Embed(cfg.max_position_embeddings, cfg.hidden_size, dtype=self.dtype,
                              name="position_embedding")(jnp.arange(input_ids.shape[1]))
         return tokens + positions[None]
 
@@ -240,7 +240,7 @@ class CLIPTextModel(nn.Module):
         return CLIPTextTransformer(self.config, self.dtype, name="text_model")(input_ids)
 
     def init_params(self, rng: jax.Array) -> dict:
-        """Random parameters of the checkpoints' shapes (under `jax.eval_shape`, the shapes alone)."""
+        """Parameters of the checkpoints' shapes (under `jax.eval_shape`, the shapes alone)."""
         return self.init(rng, jnp.zeros((1, 1), jnp.int32))["params"]
 
 
@@ -250,7 +250,7 @@ class CLIPTextModelWithProjection(CLIPTextModel):
     @nn.compact
     def __call__(self, input_ids: jax.Array) -> CLIPTextOutput:
         out = CLIPTextTransformer(self.config, self.dtype, name="text_model")(input_ids)
-        projection = nn.Dense(self.config.projection_dim, use_bias=False, dtype=self.dtype, name="text_projection")
+        projection = Dense(self.config.projection_dim, use_bias=False, dtype=self.dtype, name="text_projection")
         return out._replace(text_embeds=projection(out.pooled))
 
 
@@ -266,13 +266,13 @@ class CLIPVisionEmbeddings(nn.Module):
         if pixels.shape[1:] != (cfg.image_size, cfg.image_size, cfg.num_channels):
             raise ValueError(f"pixels {pixels.shape[1:]}: the model takes "
                              f"{(cfg.image_size, cfg.image_size, cfg.num_channels)} (B, H, W, C)")
-        patches = nn.Conv(cfg.hidden_size, (cfg.patch_size, cfg.patch_size), strides=(cfg.patch_size,) * 2,
-                          padding="VALID", use_bias=False, dtype=self.dtype, name="patch_embedding")(pixels)
+        patches = Conv(cfg.hidden_size, cfg.patch_size, cfg.patch_size, use_bias=False, dtype=self.dtype,
+                       name="patch_embedding")(pixels)
         patches = patches.reshape(patches.shape[0], -1, cfg.hidden_size)
-        token = self.param("class_embedding", nn.initializers.normal(1.0), (cfg.hidden_size,))
+        token = param(self, "class_embedding", (cfg.hidden_size,))
         tokens = jnp.concatenate([jnp.broadcast_to(token.astype(patches.dtype), (patches.shape[0], 1, cfg.hidden_size)),
                                   patches], axis=1)
-        positions = nn.Embed((cfg.image_size // cfg.patch_size) ** 2 + 1, cfg.hidden_size, dtype=self.dtype,
+        positions = Embed((cfg.image_size // cfg.patch_size) ** 2 + 1, cfg.hidden_size, dtype=self.dtype,
                              name="position_embedding")(jnp.arange(tokens.shape[1]))
         return tokens + positions[None]
 
@@ -315,9 +315,9 @@ class CLIPModel(nn.Module):
     def setup(self) -> None:
         cfg = self.config
         self.vision_model = CLIPVisionTransformer(cfg.vision_config, self.dtype)
-        self.visual_projection = nn.Dense(cfg.projection_dim, use_bias=False, dtype=self.dtype)
+        self.visual_projection = Dense(cfg.projection_dim, use_bias=False, dtype=self.dtype)
         self.text_model = CLIPTextTransformer(cfg.text_config, self.dtype)
-        self.text_projection = nn.Dense(cfg.projection_dim, use_bias=False, dtype=self.dtype)
+        self.text_projection = Dense(cfg.projection_dim, use_bias=False, dtype=self.dtype)
 
     def image_embeds(self, pixels: jax.Array) -> jax.Array:
         """pixels (B, H, W, C), preprocessed -> (B, P): CLIPModel.get_image_features."""
@@ -331,7 +331,7 @@ class CLIPModel(nn.Module):
         return self.image_embeds(pixels), self.text_embeds(input_ids)
 
     def init_params(self, rng: jax.Array) -> dict:
-        """Random parameters of the checkpoints' shapes (under `jax.eval_shape`, the shapes alone)."""
+        """Parameters of the checkpoints' shapes (under `jax.eval_shape`, the shapes alone)."""
         vision = self.config.vision_config
         pixels = jnp.zeros((1, vision.image_size, vision.image_size, vision.num_channels), self.dtype)
         return self.init(rng, pixels, jnp.zeros((1, 1), jnp.int32))["params"]

@@ -23,7 +23,7 @@ import numpy as np
 
 from diffusion.nn import read_config, refuse
 from diffusion.nn.attention import attention
-from diffusion.nn.layers import Dtype, FeedForward, LayerNorm, RMSNorm, TimestepEmbedding, timestep_embedding
+from diffusion.nn.layers import Dense, Dtype, FeedForward, LayerNorm, RMSNorm, TimestepEmbedding, timestep_embedding
 from diffusion.sharding import DATA, concat_packed, constrain
 
 EPS = 1e-6  # every norm of the transformer
@@ -97,7 +97,7 @@ class FluxAttention(nn.Module):
     def __call__(self, x: jax.Array, context: jax.Array | None,
                  rope: tuple[np.ndarray, np.ndarray]) -> tuple[jax.Array, jax.Array | None]:
         inner = self.heads * self.head_dim
-        dense = lambda features, name: nn.Dense(features, dtype=self.dtype, name=name)  # noqa: E731
+        dense = lambda features, name: Dense(features, dtype=self.dtype, name=name)  # noqa: E731
         heads = lambda t: t.reshape(*t.shape[:2], self.heads, self.head_dim)  # noqa: E731
 
         def qkv(h: jax.Array, names: tuple[str, str, str], norms: tuple[str, str]) -> list[jax.Array]:
@@ -127,7 +127,7 @@ class AdaNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, temb: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
-        emb = nn.Dense(self.chunks * x.shape[-1], dtype=self.dtype, name="linear")(nn.silu(temb))
+        emb = Dense(self.chunks * x.shape[-1], dtype=self.dtype, name="linear")(nn.silu(temb))
         emb = jnp.split(constrain(emb, DATA), self.chunks, axis=-1)  # whole: each chunk modulates all of x
         shift, scale = (emb[1], emb[0]) if self.chunks == 2 else (emb[0], emb[1])
         return modulate(x, shift, scale, self.dtype), emb[2:]
@@ -169,11 +169,11 @@ class FluxSingleTransformerBlock(nn.Module):
     @nn.compact
     def __call__(self, h: jax.Array, temb: jax.Array, rope: tuple[np.ndarray, np.ndarray]) -> jax.Array:
         normed, (gate,) = AdaNorm(3, self.dtype, name="norm")(h, temb)
-        mlp = jax.nn.gelu(nn.Dense(4 * h.shape[-1], dtype=self.dtype, name="proj_mlp")(normed), approximate=True)
+        mlp = jax.nn.gelu(Dense(4 * h.shape[-1], dtype=self.dtype, name="proj_mlp")(normed), approximate=True)
         out, _ = FluxAttention(self.heads, self.head_dim, pre_only=True, dtype=self.dtype, name="attn")(
             normed, None, rope)
         # proj_out's rows: attention's then the MLP's, packed (interleaved where split: diffusion.sharding)
-        out = nn.Dense(h.shape[-1], dtype=self.dtype, name="proj_out")(concat_packed([out, mlp]))
+        out = Dense(h.shape[-1], dtype=self.dtype, name="proj_out")(concat_packed([out, mlp]))
         return constrain(h + gate[:, None] * out, DATA)
 
 
@@ -210,11 +210,11 @@ class FluxTransformer2DModel(nn.Module):
         cfg = self.config
         inner, dtype = cfg.inner_dim, self.dtype
         rope = rotary_tables(np.concatenate([txt_ids, img_ids]), cfg.axes_dims_rope)
-        x = nn.Dense(inner, dtype=dtype, name="x_embedder")(latents.astype(dtype))
+        x = Dense(inner, dtype=dtype, name="x_embedder")(latents.astype(dtype))
         thousand = lambda v: v.astype(jnp.float32) * 1000  # noqa: E731  (diffusers: in the latents' dtype)
         temb = TimeTextEmbedding(inner, cfg.guidance_embeds, dtype, name="time_text_embed")(
             thousand(timestep), None if guidance is None else thousand(guidance), pooled.astype(dtype))
-        context = nn.Dense(inner, dtype=dtype, name="context_embedder")(context.astype(dtype))
+        context = Dense(inner, dtype=dtype, name="context_embedder")(context.astype(dtype))
         for i in range(cfg.num_layers):
             x, context = FluxTransformerBlock(cfg.num_attention_heads, cfg.attention_head_dim, dtype,
                                               name=f"transformer_blocks_{i}")(x, context, temb, rope)
@@ -223,10 +223,10 @@ class FluxTransformer2DModel(nn.Module):
             h = FluxSingleTransformerBlock(cfg.num_attention_heads, cfg.attention_head_dim, dtype,
                                            name=f"single_transformer_blocks_{i}")(h, temb, rope)
         x, _ = AdaNorm(2, dtype, name="norm_out")(h[:, context.shape[1]:], temb)
-        return nn.Dense(cfg.out_channels or cfg.in_channels, dtype=dtype, name="proj_out")(x)
+        return Dense(cfg.out_channels or cfg.in_channels, dtype=dtype, name="proj_out")(x)
 
     def init_params(self, rng: jax.Array) -> dict:
-        """Random parameters of the checkpoints' shapes (under `jax.eval_shape`, the shapes alone)."""
+        """Parameters of the checkpoints' shapes (under `jax.eval_shape`, the shapes alone)."""
         cfg = self.config
         one = jnp.ones((1,), jnp.float32)
         return self.init(rng, jnp.zeros((1, 1, cfg.in_channels)), one, jnp.zeros((1, 1, cfg.joint_attention_dim)),

@@ -22,7 +22,7 @@ import numpy as np
 
 from diffusion.nn import read_config, refuse
 from diffusion.nn.attention import attention
-from diffusion.nn.layers import Dtype, RMSNorm
+from diffusion.nn.layers import Dense, Dtype, Embed, RMSNorm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,13 +80,13 @@ class T5Attention(nn.Module):
     def __call__(self, x: jax.Array, bias: jax.Array | None) -> tuple[jax.Array, jax.Array]:
         cfg = self.config
         if self.has_bias:
-            table = nn.Embed(cfg.relative_attention_num_buckets, cfg.num_heads, dtype=self.dtype,
+            table = Embed(cfg.relative_attention_num_buckets, cfg.num_heads, dtype=self.dtype,
                              name="relative_attention_bias")
             buckets = relative_buckets(x.shape[1], cfg.relative_attention_num_buckets,
                                        cfg.relative_attention_max_distance)
             bias = table(jnp.asarray(buckets)).transpose(2, 0, 1)[None].astype(jnp.float32)
         inner = cfg.num_heads * cfg.d_kv
-        dense = lambda features, name: nn.Dense(features, use_bias=False, dtype=self.dtype, name=name)  # noqa: E731
+        dense = lambda features, name: Dense(features, use_bias=False, dtype=self.dtype, name=name)  # noqa: E731
         q, k, v = dense(inner, "q")(x), dense(inner, "k")(x), dense(inner, "v")(x)
         return dense(cfg.d_model, "o")(attention(q, k, v, cfg.num_heads, bias=bias.astype(q.dtype), scale=1.0)), bias
 
@@ -111,7 +111,7 @@ class GatedGELU(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        dense = lambda features, name: nn.Dense(features, use_bias=False, dtype=self.dtype, name=name)  # noqa: E731
+        dense = lambda features, name: Dense(features, use_bias=False, dtype=self.dtype, name=name)  # noqa: E731
         h = jax.nn.gelu(dense(self.config.d_ff, "wi_0")(x), approximate=True) * dense(self.config.d_ff, "wi_1")(x)
         return dense(self.config.d_model, "wo")(h)
 
@@ -159,9 +159,9 @@ class T5EncoderModel(nn.Module):
     @nn.compact
     def __call__(self, input_ids: jax.Array) -> jax.Array:
         cfg = self.config
-        x = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=self.dtype, name="shared")(input_ids)
+        x = Embed(cfg.vocab_size, cfg.d_model, dtype=self.dtype, name="shared")(input_ids)
         return T5Stack(cfg, self.dtype, name="encoder")(x)
 
     def init_params(self, rng: jax.Array) -> dict:
-        """Random parameters of the checkpoints' shapes (under `jax.eval_shape`, the shapes alone)."""
+        """Parameters of the checkpoints' shapes (under `jax.eval_shape`, the shapes alone)."""
         return self.init(rng, jnp.zeros((1, 1), jnp.int32))["params"]

@@ -22,7 +22,16 @@ import numpy as np
 
 from diffusion.nn import read_config, refuse
 from diffusion.nn.attention import attention
-from diffusion.nn.layers import Dtype, FeedForward, GroupNorm, LayerNorm, TimestepEmbedding, conv, timestep_embedding
+from diffusion.nn.layers import (
+    Dense,
+    Dtype,
+    FeedForward,
+    GroupNorm,
+    LayerNorm,
+    TimestepEmbedding,
+    conv,
+    timestep_embedding,
+)
 from diffusion.sharding import DATA, constrain
 
 
@@ -127,7 +136,7 @@ class ResnetBlock2D(nn.Module):
         h = nn.silu(GroupNorm(self.groups, self.eps, self.dtype, name="norm1")(x))
         h = conv(self.out_channels, 3, "conv1", self.dtype)(h)
         if temb is not None:
-            h = h + nn.Dense(self.out_channels, dtype=self.dtype, name="time_emb_proj")(nn.silu(temb))[:, None, None]
+            h = h + Dense(self.out_channels, dtype=self.dtype, name="time_emb_proj")(nn.silu(temb))[:, None, None]
         h = nn.silu(GroupNorm(self.groups, self.eps, self.dtype, name="norm2")(h))
         h = conv(self.out_channels, 3, "conv2", self.dtype)(h)
         if x.shape[-1] != self.out_channels:
@@ -173,10 +182,10 @@ class CrossAttention(nn.Module):
     def __call__(self, x: jax.Array, context: jax.Array | None = None) -> jax.Array:
         context = x if context is None else context
         dim = x.shape[-1]
-        q = nn.Dense(dim, use_bias=False, dtype=self.dtype, name="to_q")(x)
-        k = nn.Dense(dim, use_bias=False, dtype=self.dtype, name="to_k")(context)
-        v = nn.Dense(dim, use_bias=False, dtype=self.dtype, name="to_v")(context)
-        return nn.Dense(dim, dtype=self.dtype, name="to_out_0")(attention(q, k, v, self.heads))
+        q = Dense(dim, use_bias=False, dtype=self.dtype, name="to_q")(x)
+        k = Dense(dim, use_bias=False, dtype=self.dtype, name="to_k")(context)
+        v = Dense(dim, use_bias=False, dtype=self.dtype, name="to_v")(context)
+        return Dense(dim, dtype=self.dtype, name="to_out_0")(attention(q, k, v, self.heads))
 
 
 class BasicTransformerBlock(nn.Module):
@@ -208,13 +217,13 @@ class Transformer2DModel(nn.Module):
         b, height, width, c = x.shape
         h = GroupNorm(self.groups, 1e-6, self.dtype, name="norm")(x)
         if self.linear_projection:
-            h = nn.Dense(c, dtype=self.dtype, name="proj_in")(h.reshape(b, height * width, c))
+            h = Dense(c, dtype=self.dtype, name="proj_in")(h.reshape(b, height * width, c))
         else:
             h = conv(c, 1, "proj_in", self.dtype)(h).reshape(b, height * width, c)
         for i in range(self.depth):
             h = BasicTransformerBlock(self.heads, self.dtype, name=f"transformer_blocks_{i}")(h, context)
         if self.linear_projection:
-            h = nn.Dense(c, dtype=self.dtype, name="proj_out")(h).reshape(b, height, width, c)
+            h = Dense(c, dtype=self.dtype, name="proj_out")(h).reshape(b, height, width, c)
         else:
             h = conv(c, 1, "proj_out", self.dtype)(h.reshape(b, height, width, c))
         return h + x
@@ -361,7 +370,7 @@ class UNet2DConditionModel(nn.Module):
         return conv(cfg.out_channels, 3, "conv_out", dtype)(x).transpose(0, 3, 1, 2)
 
     def init_params(self, rng: jax.Array) -> dict:
-        """Random parameters of the checkpoints' shapes (under `jax.eval_shape`, the shapes alone)."""
+        """Parameters of the checkpoints' shapes (under `jax.eval_shape`, the shapes alone)."""
         cfg = self.config
         size = 2 ** (len(cfg.block_out_channels) - 1)
         args = [jnp.zeros((1, cfg.in_channels, size, size)), jnp.ones((1,)), jnp.zeros((1, 1, cfg.cross_attention_dim))]

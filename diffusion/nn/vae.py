@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from diffusion.nn import read_config, refuse
 from diffusion.nn.attention import attention
-from diffusion.nn.layers import Dtype, GroupNorm, conv
+from diffusion.nn.layers import Dense, Dtype, GroupNorm, conv
 from diffusion.nn.unet import DownBlock2D, ResnetBlock2D, UpBlock2D
 
 EPS = 1e-6  # every GroupNorm of diffusers' VAE
@@ -77,8 +77,8 @@ class AttentionBlock(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         b, height, width, c = x.shape
         h = GroupNorm(self.groups, EPS, self.dtype, name="group_norm")(x).reshape(b, height * width, c)
-        q, k, v = (nn.Dense(c, dtype=self.dtype, name=name)(h) for name in ("query", "key", "value"))
-        h = nn.Dense(c, dtype=self.dtype, name="proj_attn")(attention(q, k, v, heads=1))
+        q, k, v = (Dense(c, dtype=self.dtype, name=name)(h) for name in ("query", "key", "value"))
+        h = Dense(c, dtype=self.dtype, name="proj_attn")(attention(q, k, v, heads=1))
         return x + h.reshape(b, height, width, c)
 
 
@@ -167,6 +167,6 @@ class AutoencoderKL(nn.Module):
         return self.decode(self.encode(pixels)[0])
 
     def init_params(self, rng: jax.Array) -> dict:
-        """Random parameters of the checkpoints' shapes (under `jax.eval_shape`, the shapes alone)."""
+        """Parameters of the checkpoints' shapes (under `jax.eval_shape`, the shapes alone)."""
         size = self.config.scale_factor
         return self.init(rng, jnp.zeros((1, self.config.in_channels, size, size)))["params"]
