@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import stat
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -139,6 +141,23 @@ def test_saved_executables_stay_within_their_cap(tmp_path: Path, store: Executab
     (capped.folder / "new.xla").write_bytes(b"x" * 1000)
     capped._evict()
     assert sorted(p.name for p in capped.folder.iterdir()) == ["new.xla", "old1.xla", "old2.xla"]
+
+
+def test_jaxs_cache_is_cut_to_its_cap_when_a_process_turns_it_on(tmp_path: Path) -> None:
+    """Least recently used entries first; what is not an entry stays; and JAX keeps no cap of
+    its own, whose bookkeeping locks every read and lists the folder at every write."""
+    folder = tmp_path / "jax"
+    folder.mkdir(mode=0o700)
+    for n, age in enumerate((300, 200, 100)):  # oldest first
+        path = folder / f"old{n}-cache"
+        path.write_bytes(b"x" * 1000)
+        os.utime(path, (time.time() - age, time.time() - age))
+    (folder / "notes.txt").write_bytes(b"x" * 5000)
+    code = ("import sys, jax; from worker.engine import enable_compilation_cache; "
+            "enable_compilation_cache(sys.argv[1], max_bytes=2500); print(jax.config.jax_compilation_cache_max_size)")
+    done = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["-1"]
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt", "old1-cache", "old2-cache"]
 
 
 def test_a_cache_folder_others_can_write_to_is_refused(tmp_path: Path) -> None:

@@ -45,7 +45,7 @@ from renderfarm.jobs import (
     sampler_label,
 )
 from renderfarm.scores import Expression
-from worker.executables import ExecutableStore, fingerprint, private_folder
+from worker.executables import ExecutableStore, evict, fingerprint, private_folder
 from worker.sources import InitImages
 
 
@@ -119,13 +119,19 @@ def _attempt(result: Rendered, seed: int) -> dict[str, Any]:
 
 def enable_compilation_cache(folder: str | os.PathLike | None = None, max_bytes: float = 10 * 2**30) -> Path:
     """Turn on JAX's persistent cache, small programs included, so a second process starts
-    warm; at most `max_bytes`, least recently used entries evicted. The folder holds
-    executable code: it must be private to this user (worker.executables.private_folder)."""
+    warm; cut to `max_bytes` here, least recently used entries first. The folder holds
+    executable code: it must be private to this user (worker.executables.private_folder).
+
+    Not JAX's own cap: with one, every read takes a file lock and writes a timestamp, and every
+    write lists and stats the whole folder, which holds a file per program, down to each
+    eager operation's; a process writes its own programs once, so a cut when it starts keeps
+    the folder within the cap but for what one process adds."""
     path = private_folder(folder or Path.home() / ".cache" / "renderfarm" / "jax")
+    evict(path, "*-cache", max_bytes, "compile cache entry")
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    jax.config.update("jax_compilation_cache_max_size", int(max_bytes))
+    jax.config.update("jax_compilation_cache_max_size", -1)
     return path
 
 

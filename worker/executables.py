@@ -11,7 +11,7 @@ inputs, not part of the program: the same architecture with other weights reuses
 Like JAX's cache, the folder holds executable code (and the pytrees beside it are pickled):
 whoever can write there can run code in the worker. So both folders are used only if they
 belong to the worker's user and no one else may write to them (`private_folder`), and each
-has a size cap, least recently used entries evicted first.
+has a size cap, least recently used entries evicted first (`evict`).
 """
 
 from __future__ import annotations
@@ -118,12 +118,23 @@ class ExecutableStore:
         self._evict()
 
     def _evict(self) -> None:
-        """Remove the least recently used entries until the folder is within its cap."""
-        entries = sorted(((p.stat().st_mtime, p.stat().st_size, p) for p in self.folder.glob("*.xla")),
-                         reverse=True)
-        kept = 0
-        for _, size, path in entries:
-            kept += size
-            if kept > self.max_bytes:
-                log.info("saved executable %s evicted (cache over %.1f GB)", path.name, self.max_bytes / 2**30)
-                path.unlink(missing_ok=True)
+        evict(self.folder, "*.xla", self.max_bytes, "saved executable")
+
+
+def evict(folder: Path, pattern: str, max_bytes: float, what: str) -> None:
+    """Remove the least recently used files of `folder` matching `pattern` until those left
+    hold at most `max_bytes`: used last is the later of a file's access and modification
+    times (a loaded executable is touched; the filesystem records a read of JAX's entries)."""
+    entries = []
+    for path in folder.glob(pattern):
+        try:
+            info = path.stat()
+        except FileNotFoundError:  # removed by another process meanwhile
+            continue
+        entries.append((max(info.st_atime, info.st_mtime), info.st_size, path))
+    kept = 0
+    for _, size, path in sorted(entries, reverse=True):
+        kept += size
+        if kept > max_bytes:
+            log.info("%s %s evicted (cache over %.1f GB)", what, path.name, max_bytes / 2**30)
+            path.unlink(missing_ok=True)
