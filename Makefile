@@ -11,6 +11,10 @@ BIN := $(VENV)/bin
 # Eight JAX devices on the CPU, so data-parallel code runs for real without an accelerator.
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export JAX_PLATFORMS ?= cpu
+# Bytecode caches for the project's own modules and pytest's rewritten test files: every test
+# process, and every worker and render the tests start, imports them; with PYTHONDONTWRITEBYTECODE
+# set each would compile them from source again.
+unexport PYTHONDONTWRITEBYTECODE
 
 # The tests run a real redis-server and drive a real headless Chromium (Debian's packages).
 SYSTEM_PACKAGES := redis-server chromium

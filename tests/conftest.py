@@ -35,7 +35,7 @@ from renderfarm.progress import Progress  # noqa: E402
 from renderfarm.storage import Storage, open_storage  # noqa: E402
 from harness.fault_proxies import GcsProxy  # noqa: E402
 from harness.gcs_emulator import GcsEmulator  # noqa: E402
-from tests.helpers import FARM_OUT, STORE_THREADS, Cli, Farm, scrape  # noqa: E402
+from tests.helpers import FARM_OUT, STORE_THREADS, Cli, Farm, engine, scrape  # noqa: E402
 
 
 def pytest_unconfigure() -> None:
@@ -120,16 +120,12 @@ def sdxl_model(tiny_sdxl: Path):  # noqa: ANN201
 
 @pytest.fixture(scope="session")
 def sd_engine(sd_model):  # noqa: ANN001, ANN201 - Engine on all 8 devices
-    from worker.engine import Engine
-
-    return Engine(sd_model)
+    return engine(sd_model)
 
 
 @pytest.fixture(scope="session")
 def sdxl_engine(sdxl_model):  # noqa: ANN001, ANN201
-    from worker.engine import Engine
-
-    return Engine(sdxl_model)
+    return engine(sdxl_model)
 
 
 @pytest.fixture(scope="module")

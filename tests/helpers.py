@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import io
 import json
+import os
 import shlex
 import signal
 import subprocess
@@ -37,6 +38,7 @@ from renderfarm_cli import parser
 from harness.fault_proxies import GcsProxy
 from tests.stepwise import render_stepwise
 from worker.engine import Engine
+from worker.executables import ExecutableStore
 
 Cli = Callable[..., tuple[int, str, str]]  # the `cli` fixture: (exit code, stdout, stderr)
 
@@ -132,7 +134,14 @@ def loaded(folder: str, variant: str | None) -> tuple[LoadedModel, Engine]:
     loaded (and compiled) once per session for every test file that renders it: loading is the
     slow part on a CPU."""
     model = load_model(str(ORACLE / folder), variant=variant)
-    return model, Engine(model)
+    return model, engine(model)
+
+
+def engine(model: LoadedModel) -> Engine:
+    """An engine on every device that saves and loads its programs in the session's compile
+    cache, as `renderfarm render` and the workers do: a program one test process compiled is
+    loaded by the others, not traced again (tracing is half of a tiny program's compile)."""
+    return Engine(model, executables=ExecutableStore(Path(os.environ["RENDERFARM_COMPILE_CACHE"]) / "executables"))
 
 
 def spec(model: LoadedModel, job: dict[str, Any]) -> JobSpec:
