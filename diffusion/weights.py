@@ -11,8 +11,10 @@ the file formats are read by this module's own small code and checked before the
 - loading to the devices (`sharding`: what load_model does): after the same checks, a pool of
   threads preads each tensor's bytes into an array of its stored dtype and layout, group by group
   (GROUP_BYTES, GROUP_TENSORS); each group goes to the devices, replicated, in one device_put as
-  stored (F16, BF16, F32) and is permuted and cast there by one program, compiled from the shapes
-  alone while the files are read. On CPU devices (which are the host) the reading threads permute
+  stored (F16, BF16, F32), and each tensor is permuted and cast there by the program of its
+  conversion (stored shape and dtype, permutation, target dtype), compiled from the shapes alone
+  while the files are read, once a process: a model's repeated blocks, and every model of the
+  same architecture, share them. On CPU devices (which are the host) the reading threads permute
   and cast with numpy instead (`convert_on_device`). Either way the parameters equal the host
   path's bit for bit; a tensor with a LoRA delta, or stored as F64 or float8 (F8_E4M3, F8_E5M2:
   upcast exactly, as torch's `.float()`), is made on the host as before.
@@ -371,13 +373,21 @@ def _made(view: np.ndarray, axes: tuple[int, ...] | None, target: np.dtype, delt
 
 # ------------------------------------------------------------------------------------ to the devices
 
-class _Move(NamedTuple):
-    """How one stored array becomes its parameter on the devices: all static, so a group's moves
-    (with the stored shapes and dtypes) key its compiled conversion."""
+class _Conversion(NamedTuple):
+    """How one stored array becomes its parameter on the devices, all static: the key of its
+    compiled program."""
 
+    shape: tuple[int, ...]  # as stored (`_stored_shape`)
+    dtype: str  # as stored (a DEVICE_DTYPES name)
     transposed: bool  # the stored array is the 2-D transpose of the tensor (TensorInfo.transposed)
     rolled: int  # then its rows are rolled back by this many (TensorInfo.rolled)
     axes: tuple[int, ...] | None  # then numpy.transpose axes (convert.Target.axes)
+    target: str  # then cast to this dtype
+
+    @property
+    def needed(self) -> bool:
+        """Whether the stored array is not already the parameter."""
+        return self.transposed or bool(self.rolled) or bool(self.axes) or ST_DTYPES[self.dtype].numpy != self.target
 
 
 def _checked_sharding(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
@@ -401,18 +411,18 @@ def _place_safetensors(where: Path, kind: str, tensors: Mapping[str, TensorInfo]
                        deltas: Mapping[str, Delta], sharding: jax.sharding.Sharding) -> dict:
     """The device path: check (`_plan`), then read the tensors in file order, in groups, on a pool
     of threads (preads of the raw bytes into arrays of the stored dtype and layout), the next
-    group read while this one goes to the devices in one device_put and is permuted and cast
-    there in one compiled call (each group's program compiled on other threads meanwhile, from
-    the shapes alone). A tensor with a delta, or not in DEVICE_DTYPES, is made on the host exactly as
-    `_read_safetensors` makes it (`_made`), and so is every tensor when not `convert_on_device`."""
+    group read while this one goes to the devices in one device_put, each tensor then permuted and
+    cast there by its conversion's program (`_program`: compiled on other threads meanwhile, from
+    the shapes alone, once a process). A tensor with a delta, or not in DEVICE_DTYPES, is made on
+    the host exactly as `_read_safetensors` makes it (`_made`), and so is every tensor when not
+    `convert_on_device`."""
     plan = _plan(where, kind, tensors, wanted)
     on_device = convert_on_device(sharding)
-    moves = {name: _Move(tensors[name].transposed, tensors[name].rolled, plan[name].axes) for name in plan
-             if on_device and name not in deltas and tensors[name].dtype in DEVICE_DTYPES}  # the rest: on the host
-    groups = list(_groups(sorted(plan, key=lambda name: (tensors[name].file, tensors[name].start)), tensors))
+    names = sorted(plan, key=lambda name: (tensors[name].file, tensors[name].start))
+    conversions = {name: _conversion(tensors[name], plan[name].axes, target) for name in names
+                   if on_device and name not in deltas and tensors[name].dtype in DEVICE_DTYPES}  # the rest: on the host
+    groups = list(_groups(names, tensors))
     flat: dict[tuple[str, ...], Any] = {target_.path: None for target_ in plan.values()}  # in plan order
-    todo = [[name for name in group if name in moves and _needs_work(tensors[name], moves[name], target)]
-            for group in groups]  # what each group's program permutes or casts
     files: dict[Path, int] = {}
     try:
         for file in sorted({tensors[name].file for name in plan}):
@@ -420,30 +430,30 @@ def _place_safetensors(where: Path, kind: str, tensors: Mapping[str, TensorInfo]
 
         def fetch(name: str) -> np.ndarray:
             raw = _read_raw(where, files[tensors[name].file], name, tensors[name])
-            if name in moves:
+            if name in conversions:
                 return raw
             return _made(_as_model(raw, tensors[name]), plan[name].axes, target, deltas.get(name))
 
         with concurrent.futures.ThreadPoolExecutor(READ_THREADS, "weights-read") as reader, \
                 concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, "weights-compile") as compiler:
-            programs = [compiler.submit(_compile, [tensors[name] for name in names],
-                                        tuple(moves[name] for name in names), target, sharding) if names else None
-                        for names in todo]
+            # in order of first use, so that the first group's programs come first
+            programs = {conversion: compiler.submit(_program, conversion, sharding)
+                        for conversion in dict.fromkeys(c for c in conversions.values() if c.needed)}
             reading = [reader.submit(fetch, name) for name in groups[0]] if groups else []
             try:
                 for i, group in enumerate(groups):
                     arrays = [future.result() for future in reading]
                     reading = [reader.submit(fetch, name) for name in groups[i + 1]] if i + 1 < len(groups) else []
-                    placed = dict(zip(group, jax.device_put(arrays, sharding), strict=True))
+                    placed = jax.device_put(arrays, sharding)
                     del arrays
-                    if programs[i] is not None:
-                        done = programs[i].result()([placed[name] for name in todo[i]])
-                        placed.update(zip(todo[i], done, strict=True))
-                    for name in group:
-                        flat[plan[name].path] = placed[name]
+                    for name, array in zip(group, placed, strict=True):
+                        conversion = conversions.get(name)
+                        if conversion in programs:
+                            array = programs[conversion].result()(array)
+                        flat[plan[name].path] = array
                     del placed
             except BaseException:
-                for future in [*reading, *(program for program in programs if program is not None)]:
+                for future in [*reading, *programs.values()]:
                     future.cancel()
                 raise
     finally:
@@ -481,30 +491,27 @@ def _read_raw(where: Path, fd: int, name: str, info: TensorInfo) -> np.ndarray:
     return array
 
 
-def _needs_work(info: TensorInfo, move: _Move, target: np.dtype) -> bool:
-    return move.transposed or bool(move.rolled) or bool(move.axes) or ST_DTYPES[info.dtype].numpy != target
+def _conversion(info: TensorInfo, axes: tuple[int, ...] | None, target: np.dtype) -> _Conversion:
+    return _Conversion(_stored_shape(info), info.dtype, info.transposed, info.rolled, axes, np.dtype(target).name)
 
 
-def _compile(infos: list[TensorInfo], moves: tuple[_Move, ...], target: np.dtype,
-             sharding: jax.sharding.Sharding) -> Any:
-    """The compiled conversion of a group's stored arrays (placed with `sharding`)."""
-    specs = [jax.ShapeDtypeStruct(_stored_shape(info), ST_DTYPES[info.dtype].numpy,
-                                  sharding=sharding) for info in infos]
-    return _converted.lower(specs, moves, np.dtype(target).name).compile()
+@functools.lru_cache(maxsize=1024)
+def _program(conversion: _Conversion, sharding: jax.sharding.Sharding) -> Any:
+    """The compiled conversion of a stored array placed with `sharding`: one per distinct
+    conversion in a process, which every tensor and every load that needs it shares."""
+    spec = jax.ShapeDtypeStruct(conversion.shape, ST_DTYPES[conversion.dtype].numpy, sharding=sharding)
+    return _converted.lower(spec, conversion).compile()
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _converted(arrays: list[jax.Array], moves: tuple[_Move, ...], target: str) -> list[jax.Array]:
-    out = []
-    for array, move in zip(arrays, moves, strict=True):
-        if move.transposed:
-            array = array.T
-        if move.rolled:
-            array = jnp.roll(array, -move.rolled, axis=0)
-        if move.axes:
-            array = jnp.transpose(array, move.axes)
-        out.append(array.astype(target))
-    return out
+@functools.partial(jax.jit, static_argnums=1)
+def _converted(array: jax.Array, conversion: _Conversion) -> jax.Array:
+    if conversion.transposed:
+        array = array.T
+    if conversion.rolled:
+        array = jnp.roll(array, -conversion.rolled, axis=0)
+    if conversion.axes:
+        array = jnp.transpose(array, conversion.axes)
+    return array.astype(conversion.target)
 
 
 # --------------------------------------------------------------------------------------------- msgpack

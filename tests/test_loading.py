@@ -167,6 +167,31 @@ def test_mixed_misaligned_and_transposed_tensors_load_as_on_the_host(tmp_path: P
     assert len(list(weights._groups(list(infos), infos))) > 10
 
 
+def test_each_conversion_compiles_once_a_process_for_every_tensor_and_load_that_needs_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device path compiles a program per distinct conversion (stored shape and dtype,
+    permutation, target dtype): a model's repeated layers share one, and a second load of the
+    model compiles nothing."""
+    monkeypatch.setenv("RENDERFARM_CONVERT", "device")
+    lowered: list[Any] = []
+    converted = weights._converted
+
+    class Counted:
+        def lower(self, spec: Any, conversion: Any) -> Any:
+            lowered.append(conversion)
+            return converted.lower(spec, conversion)
+
+    monkeypatch.setattr(weights, "_converted", Counted())
+    weights._program.cache_clear()
+    folder = str(ORACLE / "sd1" / "model")
+    first = load_model(folder, "bfloat16")
+    tensors = len(jax.tree.leaves(first.params))
+    assert len(set(lowered)) == len(lowered) and 0 < len(lowered) < tensors / 4, (len(lowered), tensors)
+    compiled = len(lowered)
+    assert_same_bits(load_model(folder, "bfloat16").params, first.params)
+    assert len(lowered) == compiled
+
+
 def test_extreme_values_cast_on_the_devices_as_numpy_casts_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rounding ties, subnormals, infinities and the largest values: F32 and F16 to bfloat16 round
     to nearest even on the devices exactly as ml_dtypes does on the host."""
