@@ -9,8 +9,9 @@ the other N - 1 from a separately lowered denoiser call (each family's `denoiser
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from diffusion.targets import PEAK_TFLOPS
@@ -29,6 +30,29 @@ def program_flops(compiled: Any) -> float | None:
         cost = cost[0] if cost else None
     flops = cost.get("flops") if isinstance(cost, Mapping) else None
     return float(flops) if flops is not None and flops > 0 else None
+
+
+def counted_once(count: Callable[..., float | None]) -> Callable[..., float | None]:
+    """`count(network, params, *sizes)`, FLOPs of a network lowered on the shapes of its
+    `params`, kept per network, parameter shapes and dtypes, sizes and the attention it traces
+    (`traced_as`): lowering a denoiser takes about as long as tracing the program it is counted
+    for, and every program compiled for a shape asks for its denoiser's count (each scheduler's,
+    step count's and guidance's)."""
+    counts: dict[Any, float | None] = {}
+
+    @functools.wraps(count)
+    def counted(network: Any, params: Any, *sizes: Any) -> float | None:
+        import jax
+
+        from diffusion.nn.attention import traced_as
+
+        leaves, tree = jax.tree.flatten(params)
+        key = (network, tree, tuple((tuple(leaf.shape), str(leaf.dtype)) for leaf in leaves), sizes, traced_as())
+        if key not in counts:
+            counts[key] = count(network, params, *sizes)
+        return counts[key]
+
+    return counted
 
 
 def denoise_flops(program: float | None, unet_step: float | None, steps: int) -> float | None:

@@ -59,6 +59,30 @@ def test_a_cfg_free_program_evaluates_the_unet_on_one_latent_per_job(sd_engine) 
     assert sd_engine.flops(free) < sd_engine.flops(guided) - (STEPS - 1) * one_call * len(sd_engine.devices)
 
 
+def test_a_denoiser_is_counted_once_per_shapes_and_attention_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every program compiled for a shape asks for its denoiser's count: the same network on the
+    same shapes is lowered once, whatever the parameters' values; other sizes, parameter dtypes
+    or attention kernels are counted anew."""
+    from diffusion.families import latent_unet
+    from diffusion.nn.attention import use_kernel
+    from diffusion.nn.unet import UNet2DConditionModel, UNetConfig
+
+    lowered: list[object] = []
+    monkeypatch.setattr(latent_unet, "program_flops", lambda program: lowered.append(program) or 1.0)
+    unet = UNet2DConditionModel(UNetConfig.from_dict(latent_unet.unet_config("sd")))
+    shapes = jax.eval_shape(unet.init_params, jax.random.PRNGKey(0))
+    params = jax.tree.map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype), shapes)
+    for args in ((shapes, 2, 8, 8, 77), (params, 2, 8, 8, 77), (shapes, 2, 8, 8, 77)):
+        latent_unet.unet_flops(unet, *args)
+    assert len(lowered) == 1
+    latent_unet.unet_flops(unet, shapes, 4, 8, 8, 77)
+    latent_unet.unet_flops(unet, jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, jnp.bfloat16), shapes),
+                           2, 8, 8, 77)
+    with use_kernel("chunked"):
+        latent_unet.unet_flops(unet, shapes, 2, 8, 8, 77)
+    assert len(lowered) == 4
+
+
 def test_program_flops_of_a_lowered_matmul() -> None:
     x = jax.ShapeDtypeStruct((64, 32), jnp.float32)
     y = jax.ShapeDtypeStruct((32, 16), jnp.float32)

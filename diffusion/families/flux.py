@@ -29,7 +29,7 @@ import numpy as np
 
 from diffusion import bfl
 from diffusion.family import Component, Family, Geometry, Networks, Tokenizer
-from diffusion.flops import program_flops
+from diffusion.flops import counted_once, program_flops
 from diffusion.generate import Output, Static, decode, initial_latents, sample
 from diffusion.lora import LoraTargets
 from diffusion.nn.clip import CLIPTextConfig, CLIPTextModel
@@ -153,12 +153,16 @@ def geometry(nets: Networks) -> Geometry:
 def denoiser_flops(nets: Networks, params: Any, rows: int, height: int, width: int) -> float | None:
     """One transformer call on `rows` packed latents of a `height` x `width` image and
     max_sequence_length T5 tokens, lowered (shapes only)."""
-    transformer = nets["transformer"]
+    return transformer_flops(nets["transformer"], params["transformer"], rows, *_latent_size(nets, height, width))
+
+
+@counted_once
+def transformer_flops(transformer: FluxTransformer2DModel, params: Any, rows: int, h: int, w: int) -> float | None:
+    """One transformer call on `rows` packed latents of `h` x `w`, once per shapes in a process."""
     cfg = transformer.config
-    h, w = _latent_size(nets, height, width)
     tokens, text = (h // PATCH) * (w // PATCH), max_sequence_length(cfg)
     f32 = jnp.float32
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), params["transformer"])
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), params)
 
     def call(weights: Any, latents: jax.Array, context: jax.Array, pooled: jax.Array) -> jax.Array:
         t = jnp.ones((rows,), f32)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from diffusion.family import Family, Geometry, Networks, Tokenizer
-from diffusion.flops import program_flops
+from diffusion.flops import counted_once, program_flops
 from diffusion.generate import Inputs
 from diffusion.sharding import TensorParallel
 from diffusion.tiny_parts import EOS, TEXT_HIDDEN, clip_tokenizer_files, text_config, write_pipeline
@@ -72,11 +72,13 @@ def denoiser_flops(nets: Networks, params: Any, rows: int, height: int, width: i
     return unet_flops(nets["unet"], params["unet"], rows, height // factor, width // factor, tokens)
 
 
+@counted_once
 def unet_flops(unet: Any, params: Any, batch: int, latent_height: int, latent_width: int,
                context_tokens: int) -> float | None:
     """FLOPs of one call of a UNet (diffusion.nn.unet) on `batch` latents (2 per image with
     classifier-free guidance) and a context of `context_tokens` positions. Lowered, not
-    compiled: seconds even for SDXL. `params` may be abstract (`jax.eval_shape(unet.init_params, key)`)."""
+    compiled: seconds even for SDXL, once per shapes in a process. `params` may be abstract
+    (`jax.eval_shape(unet.init_params, key)`)."""
     config = unet.config
     f32 = jnp.float32
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype), params)  # no transfers

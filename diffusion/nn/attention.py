@@ -64,8 +64,6 @@ from functools import partial
 import jax
 import jax.extend.backend
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
 from diffusion.sharding import DATA, heads_axis, partition
 
@@ -92,6 +90,12 @@ class Call:
 
 _calls: contextvars.ContextVar[list[Call] | None] = contextvars.ContextVar("attention_calls", default=None)
 _backend: contextvars.ContextVar[str | None] = contextvars.ContextVar("attention_backend", default=None)
+
+
+def traced_as() -> tuple[str | None, str]:
+    """What attention here is traced as: the kernel `use_kernel` forces (None: `choose`'s), and
+    the backend (`current_backend`). A count kept from one trace holds where these are the same."""
+    return _kernel.get(), current_backend()
 
 
 def current_backend() -> str:
@@ -286,7 +290,12 @@ def _splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, causal: bool) ->
     no vmap (which this jax's TPU interpret mode cannot run). Padded to its blocks: queries and keys to a block multiple (padded keys in
     segment 0, masked; every query in segment 1, so no row is all masked), head dims to a
     multiple of 128 with zeros, which change no dot product. The kernel does not scale, so
-    q is scaled by the true 1/sqrt(H) before padding."""
+    q is scaled by the true 1/sqrt(H) before padding. Pallas's TPU code is imported here, where
+    a program takes the kernel: every process that imports the networks would pay a tenth of
+    a second for it otherwise."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+
     b, t, n, h = q.shape
     s = k.shape[1]
     block_q = min(SPLASH_BLOCK, _round_up(t, 128))
