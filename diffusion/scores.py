@@ -53,7 +53,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import scipy.fftpack
 from flax.traverse_util import flatten_dict
 from PIL import Image
 
@@ -342,7 +341,10 @@ def _same_tower(checker: Mapping[str, Any], checker_config: CLIPConfig, clip: Ma
 def phash(pixels: np.ndarray) -> int:
     """`imagehash.phash` of an image (H, W, 3) or (H, W) uint8 as a 64-bit int whose hex is
     imagehash's string: 8-bit luma (PIL), Lanczos to 32x32, 2-D DCT-II, the top-left 8x8 above
-    their median, row-major, the first bit the most significant."""
+    their median, row-major, the first bit the most significant. scipy is imported here, by
+    the store threads that hash: a worker or render that hashes nothing does not pay for it."""
+    import scipy.fftpack
+
     image = Image.fromarray(np.asarray(pixels, np.uint8)).convert("L").resize((32, 32), Image.Resampling.LANCZOS)
     dct = scipy.fftpack.dct(scipy.fftpack.dct(np.asarray(image), axis=0), axis=1)
     low = dct[:8, :8]

@@ -122,12 +122,15 @@ def test_a_gcs_folder_with_an_object_named_outside_it_is_refused_before_anything
 
 
 def test_the_worker_imports_no_torch_diffusers_or_transformers() -> None:
-    """The model layer is the project's own: loading and rendering need none of them."""
+    """The model layer is the project's own: loading and rendering need none of them. Nor does
+    starting a worker or a render import scipy (the perceptual hash's) or Pallas's TPU kernels
+    (splash attention's): each would add a tenth of a second or more to every start."""
     import subprocess
     import sys
 
-    code = ("import sys, worker.engine, diffusion.models, worker.farm, diffusion.tiny, worker.commands\n"
-            "bad = sorted(m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules)\n"
+    code = ("import sys, worker.engine, diffusion.models, worker.farm, diffusion.tiny, worker.commands, worker.local\n"
+            "bad = sorted(m for m in ('torch', 'diffusers', 'transformers', 'scipy', 'jax.experimental.pallas')"
+            " if m in sys.modules)\n"
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
 

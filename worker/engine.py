@@ -33,7 +33,7 @@ from diffusion.generate import ImageInputs, Output, Static, text_inputs
 from diffusion.models import LoadedModel
 from diffusion.placement import by_program, encoded_shapes, lower_encode, lower_generate, make_placement
 from diffusion.schedulers import Scheduler, make
-from diffusion.scores import Scorers
+from diffusion.scores import Scorers, score_batch
 from renderfarm.images import check_init_image
 from renderfarm.jobs import (
     JobError,
@@ -155,6 +155,8 @@ log = logging.getLogger(__name__)
 # backend reports no memory limit (CPU), DEFAULT_MAX_PROGRAMS.
 DEFAULT_MAX_PROGRAMS, MAX_PROGRAMS_BOUNDS, PROGRAM_SHARE = 16, (2, 64), 0.05
 CACHE_HIT = "/jax/compilation_cache/cache_hits"
+# The scorers' program, jitted once a process: engines of the same scoring models share what it traced and compiled.
+_score_batch = jax.jit(score_batch, static_argnums=0)
 DEVICE_SCORES = ("safety", "clip", "aesthetic")  # scored on the devices; phash is the host's (worker/output.py)
 JAX_EVENTS: collections.Counter[str] = collections.Counter()
 
@@ -252,7 +254,6 @@ class Engine:
         self.scorers = scorers
         if scorers is not None and scorers.params:
             self._score_params = jax.device_put(scorers.params, self.placement.replicated)
-            self._score = jax.jit(scorers.score_batch)
         _count_jax_events()
 
     # -- validation and grouping -------------------------------------------------------
@@ -495,7 +496,8 @@ class Engine:
         if not any(given & set(job.scores or ()) for job in jobs):
             return None
         padded = jobs + [jobs[-1]] * (self.batch_size - len(jobs))
-        return self._score(self._score_params, images, self.scorers.tokenize([j.prompt for j in padded]))
+        return _score_batch(self.scorers.models, self._score_params, images,
+                            self.scorers.tokenize([j.prompt for j in padded]))
 
     def _job_scores(self, spec: JobSpec, scores: dict[str, np.ndarray] | str | None,
                     n: int) -> tuple[dict[str, Any], dict[str, str]]:
