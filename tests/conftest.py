@@ -51,18 +51,25 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.farm)
 
 
-# `make test` runs two processes (pytest-xdist; compiling is single-threaded). The files that use
+# `make test` runs three processes (pytest-xdist; compiling is single-threaded). The files that use
 # the session's farm run in one of them, so one farm starts; the oracle's renders of each model
 # family run in one, so each family's models load once (SDXL's and the others' side by side).
 FARM_FILES = ("test_farm.py", "test_promises.py", "test_campaigns.py", "test_window.py", "test_metrics.py",
               "test_flower.py")
 ORACLE_FILES = ("test_reference.py", "test_engine.py", "test_single_file.py")
 FLUX_FILES = ("test_flux.py", "test_flux_files.py", "test_flux_lora.py")
-# Files whose module-scoped fixtures are costly (renders, workers): each runs in one process, so
-# that they are built once (test_executables' store must also compile its program itself, which a
-# second process would load from the shared cache). Every other test runs wherever there is room.
+# Files whose tests mostly wait, on a clock (a beat's schedule, a visibility timeout) or on a
+# process of their own (a Celery worker, the engine benchmark's smoke run): run in one process,
+# taken early (pytest-xdist hands out the groups with the most tests first), so that their
+# waits overlap the other processes' compiles instead of leaving a core idle at the end.
+WAITING_FILES = ("test_schedules.py", "test_broker.py", "test_producer.py", "test_bench_engine.py")
+# Files whose module-scoped fixtures are costly (renders, workers) or whose tests share what one
+# process compiles, loads or traces (test_loading's conversions and old-loader references,
+# test_nn's Flax classes): each runs in one process, so that these are built once
+# (test_executables' store must also compile its program itself, which a second process would
+# load from the shared cache). Every other test runs wherever there is room.
 WHOLE_FILES = ("test_sharding.py", "test_executables.py", "test_tls.py", "test_faults.py", "test_tokenizer.py",
-               "test_flux_modules.py", "test_plan.py")
+               "test_flux_modules.py", "test_plan.py", "test_loading.py", "test_nn.py")
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -78,6 +85,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
                 return "oracle-sdxl" if "sdxl" in nodeid else "oracle-sd"
             if file in FLUX_FILES:
                 return "oracle-flux"
+            if file in WAITING_FILES:
+                return "waiting"
             return file if file in WHOLE_FILES else nodeid
 
     return Groups(config, log)

@@ -137,11 +137,13 @@ def loaded(folder: str, variant: str | None) -> tuple[LoadedModel, Engine]:
     return model, engine(model)
 
 
-def engine(model: LoadedModel) -> Engine:
-    """An engine on every device that saves and loads its programs in the session's compile
-    cache, as `renderfarm render` and the workers do: a program one test process compiled is
-    loaded by the others, not traced again (tracing is half of a tiny program's compile)."""
-    return Engine(model, executables=ExecutableStore(Path(os.environ["RENDERFARM_COMPILE_CACHE"]) / "executables"))
+def engine(model: LoadedModel, **options: Any) -> Engine:
+    """An engine on every device (or as `options` say) that saves and loads its programs in the
+    session's compile cache, as `renderfarm render` and the workers do: a program one test
+    process compiled is loaded by the others, not traced again (tracing is half of a tiny
+    program's compile)."""
+    return Engine(model, executables=ExecutableStore(Path(os.environ["RENDERFARM_COMPILE_CACHE"]) / "executables"),
+                  **options)
 
 
 def spec(model: LoadedModel, job: dict[str, Any]) -> JobSpec:

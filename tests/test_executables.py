@@ -18,6 +18,7 @@ import pytest
 from diffusion.models import LoadedModel
 from harness.farm import STEPS
 from renderfarm.jobs import JobError, JobSpec
+from tests.helpers import engine as session_engine
 from worker.engine import Engine, ShapeKey
 from worker.executables import ExecutableStore
 
@@ -34,26 +35,32 @@ def spec(model: LoadedModel, **fields: object) -> JobSpec:
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory, sd_model: LoadedModel) -> ExecutableStore:
-    """A store holding the executable of the default shape, saved by a first engine."""
-    store = ExecutableStore(tmp_path_factory.mktemp("executables"))
-    first = Engine(sd_model, executables=store, devices=DEVICES)
-    first.compiled(first.check(spec(sd_model)))
-    assert store.loaded == 0 and len(list(store.folder.iterdir())) == 2  # the text encoders' and the shape's
-    return store
+def first(tmp_path_factory: pytest.TempPathFactory, sd_model: LoadedModel) -> Engine:
+    """An engine that compiled the default shape's programs and saved them in a store of its own."""
+    engine = Engine(sd_model, executables=ExecutableStore(tmp_path_factory.mktemp("executables")), devices=DEVICES)
+    engine.compiled(engine.check(spec(sd_model)))
+    assert engine.executables.loaded == 0 and engine.compiles == 2
+    assert len(list(engine.executables.folder.iterdir())) == 2  # the text encoders' and the shape's
+    return engine
+
+
+@pytest.fixture(scope="module")
+def store(first: Engine) -> ExecutableStore:
+    """A store holding the executables of the default shape, saved by a first engine."""
+    return first.executables
 
 
 def test_a_new_engine_loads_the_saved_program_and_renders_the_same(
-        store: ExecutableStore, sd_model: LoadedModel, sd_engine: Engine) -> None:
+        store: ExecutableStore, first: Engine, sd_model: LoadedModel) -> None:
     loaded_before = store.loaded
     second = Engine(sd_model, executables=store, devices=DEVICES)
     jobs = [spec(sd_model, seed=s, guidance_scale=2.0 + s) for s in range(3)]
     images = [r.image for r in second.render(jobs)]
     assert store.loaded == loaded_before + 2 and second.compile_seconds == 0
-    for image, reference in zip(images, (r.image for r in sd_engine.render(jobs))):
+    for image, reference in zip(images, (r.image for r in first.render(jobs))):
         np.testing.assert_array_equal(image, reference)
-    per_job = [engine.flops(engine.check(jobs[0])) / engine.batch_size for engine in (second, sd_engine)]
-    assert per_job[0] == pytest.approx(per_job[1], rel=1e-6)  # the saved count, as XLA counts it on 8 devices
+    per_job = [engine.flops(engine.check(jobs[0])) / engine.batch_size for engine in (second, first)]
+    assert per_job[0] == pytest.approx(per_job[1], rel=1e-6)  # the saved count, as XLA counted it
 
 
 def test_program_names_change_with_everything_the_program_depends_on(sd_model: LoadedModel,
@@ -89,15 +96,14 @@ def test_program_names_cover_the_device_side_code() -> None:
     assert not any(path.startswith(("worker/broker", "renderfarm/", "producer/")) for path in code)
 
 
-def test_an_unreadable_saved_program_is_compiled_again(store: ExecutableStore, sd_model: LoadedModel,
-                                                       sd_engine: Engine, tmp_path: Path) -> None:
+def test_an_unreadable_saved_program_is_compiled_again(first: Engine, sd_model: LoadedModel, tmp_path: Path) -> None:
     broken = ExecutableStore(tmp_path / "broken")
     engine = Engine(sd_model, executables=broken, devices=DEVICES)
     key: ShapeKey = engine.check(spec(sd_model))
     (broken.folder / f"{engine._program_name(key)}.xla").write_bytes(b"not an executable")  # noqa: SLF001
     image = engine.render([spec(sd_model)])[0].image
     assert broken.loaded == 0
-    np.testing.assert_array_equal(image, sd_engine.render([spec(sd_model)])[0].image)
+    np.testing.assert_array_equal(image, first.render([spec(sd_model)])[0].image)
     assert not any(broken.folder.iterdir())  # the broken entry is gone, not tried again
 
 
@@ -116,11 +122,12 @@ def test_weights_that_do_not_match_their_config_are_refused_by_name(store: Execu
     assert store.loaded == loaded_before + 2  # the text encoders' taken, the shape's read and then not used
 
 
-def test_programs_beyond_max_programs_are_evicted_least_recently_used_first(store: ExecutableStore,
-                                                                          sd_model: LoadedModel) -> None:
-    """Saved executables make these compiles cheap; what is kept in memory is at most two."""
-    engine = Engine(sd_model, executables=store, max_programs=2, devices=DEVICES)
-    keys = [engine.check(spec(sd_model, steps=steps)) for steps in (STEPS, STEPS + 1, STEPS + 2)]
+def test_programs_beyond_max_programs_are_evicted_least_recently_used_first(sd_model: LoadedModel) -> None:
+    """What is kept in memory is at most two programs. They are shapes other tests render on every
+    device (tests/test_flops.py), saved in the session's compile cache: loading them is cheap."""
+    engine = session_engine(sd_model, max_programs=2)
+    keys = [ShapeKey(64, 64, STEPS, "pndm"), ShapeKey(64, 64, STEPS, "pndm", guided=False),
+            ShapeKey(64, 64, 2 * STEPS, "pndm")]
     engine.compiled(keys[0])
     engine.compiled(keys[1])
     engine.compiled(keys[0])  # used again: keys[1] is now the least recently used

@@ -78,7 +78,9 @@ def _ours(name: str, config: dict[str, Any], dtype: Any = jnp.float32) -> Any:
     return UNet2DConditionModel(UNetConfig.from_dict(config), dtype)
 
 
+@functools.cache
 def _flax_shapes(name: str) -> dict:
+    """The Flax class's parameter shapes, traced once a config (seconds for diffusers' UNet)."""
     model = _flax_model(name)
     if name.startswith("clip"):
         return jax.eval_shape(lambda key: model.init_weights(key, (1, 77)), KEY)

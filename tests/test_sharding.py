@@ -25,7 +25,7 @@ from diffusion.sharding import (
     weight_specs,
 )
 from renderfarm.jobs import JobError, JobSpec
-from worker.engine import Engine
+from tests.helpers import engine
 
 PROMPTS = ["a red fox in snow", "a lighthouse at dusk", "a bowl of ramen", "", "a fox", "snow", "dusk", "ramen"]
 
@@ -92,15 +92,17 @@ def test_the_split_is_the_fewest_devices_whose_memory_holds_the_weights() -> Non
 @pytest.fixture(scope="module")
 def images_by_mesh(tiny_sd: Path) -> dict[int, np.ndarray]:
     """The same 8 jobs rendered with the weights whole on each device (8x1), split over 4
-    (2x4) and over all 8 (1x8)."""
+    (2x4) and over all 8 (1x8), by engines that save their programs in the session's compile
+    cache (the 8x1 one is the session's other engines' program; `renderfarm render
+    --model-parallel 4` below loads the 2x4 one)."""
     out = {}
     for model_parallel in (1, 4, 8):
         model = load_model(str(tiny_sd), model_parallel=model_parallel)
-        engine = Engine(model)
+        renderer = engine(model)
         specs = [JobSpec(prompt=p, seed=n, steps=3, guidance_scale=7.5, width=64, height=64, model=str(tiny_sd))
                  for n, p in enumerate(PROMPTS)]
-        out[model_parallel] = np.stack([r.image for r in engine.render(specs)])
-        assert engine.batch_size == 8 // model_parallel
+        out[model_parallel] = np.stack([r.image for r in renderer.render(specs)])
+        assert renderer.batch_size == 8 // model_parallel
     return out
 
 
@@ -130,13 +132,13 @@ def test_text_encoders_spread_over_every_device_render_the_same_images(
     device count divides, and their program runs over the mesh: the images do not change."""
     model = load_model(str(tiny_sd), model_parallel=model_parallel)
     placement = make_placement(jax.devices(), model_parallel, text_split=True)
-    engine = Engine(dataclasses.replace(model, placement=placement))
+    renderer = engine(dataclasses.replace(model, placement=placement))
     shards = [(leaf.size, {shard.data.size for shard in leaf.addressable_shards})
-              for leaf in jax.tree.leaves(engine._params["text_encoder"]) if any(d % 8 == 0 for d in leaf.shape)]
+              for leaf in jax.tree.leaves(renderer._params["text_encoder"]) if any(d % 8 == 0 for d in leaf.shape)]
     assert shards and all(sizes == {size // 8} for size, sizes in shards)
     specs = [JobSpec(prompt=p, seed=n, steps=3, guidance_scale=7.5, width=64, height=64, model=str(tiny_sd))
              for n, p in enumerate(PROMPTS)]
-    images = np.stack([r.image for r in engine.render(specs)])
+    images = np.stack([r.image for r in renderer.render(specs)])
     assert np.abs(images.astype(int) - images_by_mesh[1].astype(int)).max() <= 1
 
 
