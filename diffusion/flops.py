@@ -52,6 +52,7 @@ def counted_once(count: Callable[..., float | None]) -> Callable[..., float | No
             counts[key] = count(network, params, *sizes)
         return counts[key]
 
+    counted.cache_clear = counts.clear  # type: ignore[attr-defined]  # as functools' caches have
     return counted
 
 

@@ -3,6 +3,8 @@ FLOP/s; XLA counts a loop's body once, and the engine's count must still grow wi
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -59,6 +61,16 @@ def test_a_cfg_free_program_evaluates_the_unet_on_one_latent_per_job(sd_engine) 
     assert sd_engine.flops(free) < sd_engine.flops(guided) - (STEPS - 1) * one_call * len(sd_engine.devices)
 
 
+@pytest.fixture
+def fresh_counts() -> Iterator[None]:
+    """unet_flops's kept counts emptied before and after: a test's stand-in counts stay its own,
+    and what other tests in this process counted does not answer for it."""
+    unet_flops.cache_clear()
+    yield
+    unet_flops.cache_clear()
+
+
+@pytest.mark.usefixtures("fresh_counts")
 def test_a_denoiser_is_counted_once_per_shapes_and_attention_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every program compiled for a shape asks for its denoiser's count: the same network on the
     same shapes is lowered once, whatever the parameters' values; other sizes, parameter dtypes
