@@ -342,6 +342,42 @@ def test_held_messages_are_kept_fresh_and_a_dead_consumers_come_back(broker: str
         assert sorted(name(m) for m in returned) == ["m0", "m1", "m2"]
 
 
+def test_a_consumer_whose_keeper_ran_late_does_not_restore_what_it_holds(broker: str,
+                                                                          redis_server: RedisServer) -> None:
+    """A paused process wakes with its held messages past the visibility timeout; its own
+    restore scan, which may run before the keeper thread does, stamps them first."""
+    r = redis_server.client()
+    publish(broker, [(f"m{i}", None) for i in range(3)])
+    held: list[Any] = []
+    with connect(broker) as conn, conn.Consumer(QUEUE, callbacks=[lambda _, m: held.append(m)]) as consumer:
+        drain(conn, lambda: len(held) == 3, 5)
+        consumer.channel._closing.set()  # the keeper stops: it is late from here on
+        consumer.channel._keeper.join(5)
+        time.sleep(1.5)  # past the visibility timeout (1 s)
+        drain(conn, lambda: False, 2)  # its restore scans run on every empty poll
+        assert len(held) == 3 and queued(r) == 0 and r.hlen("unacked") == 3
+
+
+def test_a_message_popped_after_a_wait_is_recorded_no_older_than_it_is(broker: str,
+                                                                      redis_server: RedisServer) -> None:
+    """The pop script runs behind a server-side wait of up to a second: the message it pops is
+    recorded as popped at the wait's end, not when the wait was sent, so a restore scan
+    (another worker's) cannot take a message popped a moment ago. A long visibility timeout
+    keeps the keeper from re-stamping it."""
+    r = redis_server.client()
+    stamps: list[float] = []
+
+    def on_message(_: Any, message: Any) -> None:
+        stamps.append(r.zscore("unacked_index", message.delivery_tag))
+
+    with hub_consumer(broker, on_message, visibility_timeout=3600) as hub:
+        run_hub(hub, 3)  # the waits grow to 1 s
+        published = time.time()
+        publish(broker, [("m", None)])
+        run_hub(hub, 3, until=lambda: bool(stamps))
+    assert stamps and stamps[0] >= published
+
+
 def test_the_kombu_internals_the_transport_extends_are_those_it_was_written_for() -> None:
     """worker.broker overrides and calls kombu's Redis transport internals. kombu is pinned to
     the minor version they were read from; this fails loudly, naming what changed, if an
@@ -359,7 +395,7 @@ def test_the_kombu_internals_the_transport_extends_are_those_it_was_written_for(
                          "_flush_brpop_reauth", "close"],
         kredis.Transport: ["_deliver", "register_with_event_loop"],
         kredis.QoS: ["append", "ack", "reject", "pipe_or_acquire", "_remove_from_indices", "restore_by_tag",
-                     "can_consume_max_estimate"],
+                     "can_consume_max_estimate", "restore_visible"],
         virtual.QoS: ["append", "ack"],
         Hub: ["_pop_ready"],
     }
@@ -369,6 +405,7 @@ def test_the_kombu_internals_the_transport_extends_are_those_it_was_written_for(
     assert list(inspect.signature(kredis.Channel._brpop_start).parameters) == ["self", "timeout"]
     assert list(inspect.signature(kredis.QoS._remove_from_indices).parameters) == ["self", "delivery_tag", "pipe"]
     assert list(inspect.signature(kredis.QoS.append).parameters) == ["self", "message", "delivery_tag"]
+    assert list(inspect.signature(kredis.QoS.restore_visible).parameters) == ["self", "start", "num", "interval"]
     attributes = ["unacked_key", "unacked_index_key", "priority_steps", "sep", "visibility_timeout",
                   "global_keyprefix"]
     assert all(hasattr(kredis.Channel, a) for a in attributes), attributes

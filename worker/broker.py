@@ -35,9 +35,11 @@ several at a time, and less Redis work per message for a worker that acks a bund
   (renderfarm.deadletters) in one transaction; stock kombu would stop the consumer on it,
   the message would go back to the head of the queue and stop the next worker too.
 - Held messages stay fresh: a thread re-stamps the unacked index entries of the messages
-  this channel holds every quarter of the visibility timeout, so only a dead worker's
-  messages age past it. A slow batch, a compile or a long prefetch never causes a
-  redelivery, and the timeout can be short: it bounds how long a dead worker's jobs wait.
+  this channel holds every quarter of the visibility timeout, and the channel's own restore
+  scan stamps them first, so only a dead worker's messages age past it. A slow batch, a
+  compile, a long prefetch or a paused process never causes a redelivery, and the timeout
+  can be short: it bounds how long a dead worker's jobs wait. A popped message is recorded
+  as popped at the end of the server-side wait it was sent behind, never earlier.
 - One redis-py client serves the channel's bookkeeping; stock kombu builds one per call.
 
 With `global_keyprefix` set the channel consumes as stock kombu does (BRPOP). The transport
@@ -107,6 +109,13 @@ class QoS(redis.QoS):
         self._acked.append(delivery_tag)
         virtual.QoS.ack(self, delivery_tag)  # bookkeeping only; Redis on the next flush
 
+    def restore_visible(self, start: int = 0, num: int | None = 10, interval: int = 10) -> None:
+        """kombu's restore scan, once this channel's own held messages are stamped: a worker
+        never restores what it holds, even when the keeper thread ran late (the process was
+        paused, or a message was popped since its last stamp)."""
+        self.channel.stamp_held()
+        super().restore_visible(start, num, interval)
+
     def flush_acks(self) -> None:
         if not self._acked:
             return
@@ -153,8 +162,11 @@ class Channel(redis.Channel):
             self._keeper = threading.Thread(target=self._keep_held, name="keep-held", daemon=True)
             self._keeper.start()
         keys = [self._q_for_pri(queue, pri) for pri in self.priority_steps for queue in queues]
+        # Recorded as popped at the end of the wait the script may run behind: never older
+        # than it is, so no restore scan takes a message popped a moment ago.
+        popped_at = time.time() + self._idle_wait
         commands = [("EVALSHA", POP_AND_RECORD_SHA, len(keys) + 2, *keys, self.unacked_index_key,
-                     self.unacked_key, time.time(), self.qos.pop_limit())]
+                     self.unacked_key, popped_at, self.qos.pop_limit())]
         if self._idle_wait:
             wait_on = self._q_for_pri(queues[0], redis_priority(None))
             commands.insert(0, ("BLMOVE", wait_on, wait_on, "RIGHT", "RIGHT", self._idle_wait))
@@ -232,19 +244,24 @@ class Channel(redis.Channel):
         self.connection._deliver(payload, queue)
 
     def _keep_held(self) -> None:
-        """Every quarter of the visibility timeout, re-stamp the unacked index entries of
-        the messages this channel holds (only those still there: XX), so kombu's restore,
-        which takes entries older than the timeout, never takes a live worker's."""
+        """Every quarter of the visibility timeout, re-stamp the messages this channel holds,
+        so kombu's restore, which takes entries older than the timeout, never takes a live
+        worker's."""
         interval = max(0.2, self.visibility_timeout / 4)
         while not self.closed and not self._closing.wait(interval):
-            tags = list(self.qos._delivered)  # copied in one step: the consumer's thread adds to it
-            if not tags:
-                continue
-            now = time.time()
-            try:
-                self._shared_client.zadd(self.unacked_index_key, dict.fromkeys(tags, now), xx=True)
-            except self.connection_errors + (self.ResponseError,) as err:
-                log.warning("could not re-stamp %d held messages: %s", len(tags), err)
+            self.stamp_held()
+
+    def stamp_held(self) -> None:
+        """Stamp the unacked index entries of the messages this channel holds with the time
+        now (only those still there: XX)."""
+        tags = list(self.qos._delivered)  # copied in one step: the consumer's thread adds to it
+        if not tags:
+            return
+        now = time.time()
+        try:
+            self._shared_client.zadd(self.unacked_index_key, dict.fromkeys(tags, now), xx=True)
+        except self.connection_errors + (self.ResponseError,) as err:
+            log.warning("could not re-stamp %d held messages: %s", len(tags), err)
 
     @cached_property
     def _closing(self) -> threading.Event:

@@ -2,7 +2,8 @@
 -- Pop up to ARGV[2] messages from a queue's priority lists and record each one as
 -- unacknowledged, in kombu's own format, in the same atomic step (worker/broker.py).
 -- KEYS: the priority lists in consuming order, then the unacked index and hash.
--- ARGV: the time to record (the client's: kombu's restore compares it with its own clock),
+-- ARGV: the time to record (the client's: kombu's restore compares it with its own clock;
+-- the end of the wait the script ran behind, worker/broker.py),
 -- the most messages to pop. Returns {list, item, tag} triples; tag is '' for an item that
 -- is not a kombu message (not recorded), and is the message's own delivery tag unless an
 -- unacked record holds that one already: then a fresh one, so no message overwrites
