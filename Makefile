@@ -20,7 +20,7 @@ unexport PYTHONDONTWRITEBYTECODE
 SYSTEM_PACKAGES := redis-server chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test check bench lock clean system-packages oracle python
+.PHONY: demo test check bench soak lock clean system-packages oracle python
 
 # Refuses to go on without a Python 3.12, saying where to get one; a venv of another Python
 # (made before the move to 3.12) is made anew.
@@ -66,6 +66,11 @@ test: $(BIN)/.installed system-packages
 # the compiles for other accelerators and the benchmarks' smoke runs.
 check: $(BIN)/.installed system-packages
 	$(BIN)/python -m pytest -q -n $(TEST_PROCESSES) -m "not farm and not oracle and not browser and not target and not bench"
+
+# The soak of every fault (tests/test_soak.py) at ten times the size `make test` runs: 10,000 jobs under
+# 160 faults, an hour at most (docs/operations.md, "A soak of every fault"); RENDERFARM_SOAK_SEED=N replays one.
+soak: $(BIN)/.installed system-packages
+	RENDERFARM_SOAK_SCALE=10 $(BIN)/python -m pytest -q -s -p no:randomly --timeout 3600 tests/test_soak.py
 
 system-packages:
 	@command -v redis-server >/dev/null && command -v chromium >/dev/null || \

@@ -53,10 +53,11 @@ def consume(url: str, queue: str) -> None:
     client = redis.Redis.from_url(url)
     progress = Progress(client)
     pop = client.register_script(POP_AND_RECORD)
-    keys = [*priority_lists(queue), "unacked_index", "unacked"]
+    lists = priority_lists(queue)
+    keys = [*lists, "unacked_index", "unacked"]
     idle = 0.001
     while True:
-        popped = pop(keys=keys, args=[time.time(), POP])
+        popped = pop(keys=keys, args=[time.time(), POP, *[queue] * len(lists)])
         if not popped:
             time.sleep(idle)
             idle = min(idle * 2, 0.05)

@@ -4,10 +4,11 @@ A worker loads whatever a diffusers pipeline folder holds, often downloaded from
 the file formats are read by this module's own small code and checked before they are trusted:
 
 - safetensors (PyTorch layout and names, converted by diffusion/convert.py): an 8-byte little-endian
-  header length, a JSON header, then the data. The header is checked whole (length bound, JSON,
-  dtypes, shapes, data offsets inside the file, no overlaps, sizes that match dtype x shape) and
-  the shapes are matched against the model before any tensor data is read; the data is then read
-  from an mmap, so a header that lies cannot make us allocate what it claims.
+  header length, a JSON header, then the data. The header is checked whole (bounds on its length
+  and its tensors, JSON, dtypes, shapes, data offsets inside the file, no overlaps, sizes that
+  match dtype x shape) and the shapes are matched against the model before any tensor data is
+  read; the data is then read from an mmap, so a header that lies cannot make us allocate what
+  it claims.
 - loading to the devices (`sharding`: what load_model does): after the same checks, a pool of
   threads preads each tensor's bytes into an array of its stored dtype and layout, group by group
   (GROUP_BYTES, GROUP_TENSORS); each group goes to the devices, replicated, in one device_put as
@@ -57,7 +58,12 @@ from diffusion.errors import ModelError, shown
 STEMS = ("diffusion_pytorch_model", "model")  # diffusers models, transformers models
 FLAX_FILES = ("diffusion_flax_model.msgpack", "flax_model.msgpack")
 PICKLE_SUFFIXES = (".bin", ".ckpt", ".pt", ".pth")
-MAX_HEADER = 100 * 2**20  # SDXL's UNet header is ~200 KB
+# Real headers are ~200 KB (SDXL's UNet) to a few MB (a shard of a 30B-parameter model lists a
+# few thousand tensors); parsing one costs far more than its bytes (a 96 MB header of 1.7 M
+# tensors took 34 s and 1.75 GB), so a file past these caps is refused before it is parsed
+# (the bytes) or checked tensor by tensor (the count), with room to spare for real checkpoints.
+MAX_HEADER = 16 * 2**20
+MAX_TENSORS = 100_000  # in one file
 MAX_INDEX = 16 * 2**20  # a shard index lists names only
 NUMPY_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 _SHARD_RE = re.compile(r".*-\d+-of-\d+")
@@ -225,6 +231,15 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return dict(pairs)
 
 
+def _json(raw: bytes) -> Any:
+    """JSON without duplicate keys. Nesting too deep for the parser is a ValueError like any
+    other bad JSON: json.loads raises RecursionError, which its callers here would not catch."""
+    try:
+        return json.loads(raw, object_pairs_hook=_no_duplicates)
+    except RecursionError:
+        raise ValueError("nested deeper than Python's JSON parser goes") from None
+
+
 def _is_count(value: Any) -> bool:
     """A JSON non-negative integer (not a bool, not 2.0)."""
     return type(value) is int and value >= 0
@@ -247,13 +262,15 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             raise bad(f"declares a {length}-byte header in a {size}-byte file")
         raw = f.read(length)
     try:
-        header = json.loads(raw, object_pairs_hook=_no_duplicates)
+        header = _json(raw)
     except (UnicodeDecodeError, ValueError) as err:
         raise bad(f"header is not valid JSON ({err})") from None
     if not isinstance(header, dict):
         raise bad("header is not a JSON object")
     if not isinstance(header.pop("__metadata__", {}), dict):
         raise bad("header's __metadata__ is not a JSON object")
+    if len(header) > MAX_TENSORS:
+        raise bad(f"header lists {len(header)} tensors, over the {MAX_TENSORS}-tensor limit")
     data_start, data_size = 8 + length, size - 8 - length
     tensors = {}
     for name, entry in header.items():
@@ -290,7 +307,7 @@ def read_index(index: Path) -> dict[str, TensorInfo]:
     if index.stat().st_size > MAX_INDEX:
         raise bad(f"is over the {MAX_INDEX}-byte limit for a shard index")
     try:
-        weight_map = json.loads(index.read_bytes(), object_pairs_hook=_no_duplicates).get("weight_map")
+        weight_map = _json(index.read_bytes()).get("weight_map")
     except (UnicodeDecodeError, ValueError, AttributeError) as err:
         raise bad(f"is not a JSON object with a weight_map ({err})") from None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):

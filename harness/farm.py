@@ -71,11 +71,13 @@ def farm_app(broker: str) -> Celery:
 
 
 def enqueue(app: Celery, progress: Progress, specs: Iterable[JobSpec]) -> list[JobSpec]:
+    """Record the jobs as submitted, then send them, as the producer does: a worker records
+    progress only for a job on its campaign's books, and may take a job the moment it is sent."""
     specs = list(specs)
-    for spec in specs:
-        app.send_task(TASK_NAME, **job_message(spec))
     for campaign in {s.campaign for s in specs}:
         progress.submitted(campaign, [s.job_id for s in specs if s.campaign == campaign])
+    for spec in specs:
+        app.send_task(TASK_NAME, **job_message(spec))
     return specs
 
 

@@ -1,6 +1,7 @@
 """A real redis-server for tests, on a free port, that a test can stop and restart with its
-data (append-only file on); optionally with a password (`--requirepass`) and a TLS port
-beside the plain one."""
+data (append-only file on); optionally with a password (`--requirepass`), a TLS port beside
+the plain one, or as a replica of another. And real sentinels (`redis-server CONFIG
+--sentinel`, no other package) that monitor a primary and fail it over to a replica."""
 
 from __future__ import annotations
 
@@ -24,15 +25,51 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class RedisServer:
-    def __init__(self, appendonly: bool = True, password: str | None = None, tls: TlsFiles | None = None) -> None:
+class _Server:
+    """A redis-server process of a test's, in a folder of its own: a data node or a sentinel."""
+
+    port: int
+    dir: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    def client(self) -> redis.Redis:
+        raise NotImplementedError
+
+    def _launch(self, args: list[str], what: str) -> None:
+        """Start it and wait until it answers; one that exits (e.g. a build without TLS) fails
+        at once with what it printed."""
+        output = self.dir / "redis.out"
+        with output.open("wb") as out:
+            self.proc = subprocess.Popen([shutil.which("redis-server") or "redis-server", *args],
+                                         stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                if self.client().ping():
+                    return
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"{what} did not start on port {self.port}: {output.read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        """Stop at once (SIGKILL): what was written survives only through the append-only file."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+class RedisServer(_Server):
+    def __init__(self, appendonly: bool = True, password: str | None = None, tls: TlsFiles | None = None,
+                 replica_of: int | None = None) -> None:
         self.port = free_port()
+        self.replica_of = replica_of  # the port of its primary, or of a proxy in front of it
         self.tls = tls
         self.tls_port = free_port() if tls else None
         self.password = password
         self.dir = Path(tempfile.mkdtemp(prefix="rf-redis-"))
         self.appendonly = appendonly
-        self.proc: subprocess.Popen[bytes] | None = None
         try:
             self.start()
         except RuntimeError:
@@ -56,36 +93,19 @@ class RedisServer:
         return redis.Redis(port=self.port, password=self.password)
 
     def start(self) -> None:
-        """Start and wait until it answers; a server that exits (e.g. a build without TLS)
-        fails at once with what it printed."""
-        args = [shutil.which("redis-server") or "redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+        args = ["--port", str(self.port), "--bind", "127.0.0.1",
                 "--dir", str(self.dir), "--save", "", "--appendonly", "yes" if self.appendonly else "no",
-                "--appendfsync", "always", "--logfile", str(self.dir / "redis.log")]
-        if self.password:
-            args += ["--requirepass", self.password]
+                "--appendfsync", "always", "--logfile", str(self.dir / "redis.log"),
+                "--repl-diskless-sync-delay", "0"]  # a replica's first sync starts at once, not 5 s later
+        if self.password:  # and the primary's, for a replica and for a primary demoted to one
+            args += ["--requirepass", self.password, "--masterauth", self.password]
+        if self.replica_of:
+            args += ["--replicaof", "127.0.0.1", str(self.replica_of)]
         if self.tls:
             args += ["--tls-port", str(self.tls_port), "--tls-cert-file", str(self.tls.cert),
                      "--tls-key-file", str(self.tls.key), "--tls-ca-cert-file", str(self.tls.ca),
                      "--tls-auth-clients", "no"]
-        output = self.dir / "redis.out"
-        with output.open("wb") as out:
-            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            try:
-                if self.client().ping():
-                    return
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"redis-server did not start on port {self.port}: {output.read_text()[-2000:]}")
-
-    def stop(self) -> None:
-        """Stop at once (SIGKILL): what was written survives only through the append-only file."""
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
+        self._launch(args, "redis-server")
 
     def close(self) -> None:
         # A Celery result that subscribed for its outcome unsubscribes when it is collected, and
@@ -93,3 +113,49 @@ class RedisServer:
         gc.collect()
         self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class SentinelServer(_Server):
+    """A sentinel on a free port monitoring `primary` as `master_name` (with the primary's
+    password), quick to act: the primary is down once it has not answered for `down_after_ms`,
+    and `quorum` sentinels agreeing on it start a failover to a replica."""
+
+    def __init__(self, primary: RedisServer, master_name: str, quorum: int, down_after_ms: int = 1000,
+                 failover_timeout_ms: int = 5000) -> None:
+        self.port = free_port()
+        self.master_name = master_name
+        self.dir = Path(tempfile.mkdtemp(prefix="rf-sentinel-"))
+        lines = [f"port {self.port}", "bind 127.0.0.1", f"dir {self.dir}", f"logfile {self.dir / 'sentinel.log'}",
+                 f"sentinel monitor {master_name} 127.0.0.1 {primary.port} {quorum}",
+                 f"sentinel down-after-milliseconds {master_name} {down_after_ms}",
+                 f"sentinel failover-timeout {master_name} {failover_timeout_ms}"]
+        if primary.password:
+            lines.append(f"sentinel auth-pass {master_name} {primary.password}")
+        self.config = self.dir / "sentinel.conf"  # the sentinel rewrites it with what it learns
+        self.config.write_text("\n".join(lines) + "\n")
+        try:
+            self.start()
+        except RuntimeError:
+            self.close()
+            raise
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, decode_responses=True)
+
+    def start(self) -> None:
+        self._launch([str(self.config), "--sentinel"], "redis-server --sentinel")
+
+    def master_port(self) -> int:
+        """The port of the server this sentinel takes for the master now."""
+        return int(self.client().sentinel_get_master_addr_by_name(self.master_name)[1])
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def sentinel_url(sentinels: list[SentinelServer], password: str | None = None, db: int = 0) -> str:
+    """The broker URL of the master these sentinels monitor (renderfarm/connections.py)."""
+    auth = f":{password}@" if password else ""
+    parts = [f"sentinel://{auth if n == 0 else ''}127.0.0.1:{s.port}" for n, s in enumerate(sentinels)]
+    return ";".join(parts) + f"/{db}?master_name={sentinels[0].master_name}"

@@ -18,6 +18,7 @@ import redis
 from kombu.exceptions import KombuError
 
 from producer.status import (
+    campaign_failures,
     campaign_status,
     cancel_campaign,
     device_time,
@@ -25,9 +26,10 @@ from producer.status import (
     format_status,
 )
 from producer.submit import Submission, WaitTimeout, submit, wait_for
+from renderfarm.connections import redis_client
 from renderfarm.flags import broker_flag, job_defaults, job_flags
 from renderfarm.gallery import DEFAULT_LIMIT, DEFAULT_TILES, refresh
-from renderfarm.progress import Progress
+from renderfarm.progress import FAILURES_SHOWN, Progress
 from renderfarm.settings import Settings, redacted
 from renderfarm.storage import open_storage
 
@@ -73,7 +75,7 @@ def _follow(args: argparse.Namespace, submission: Submission, campaign: str) -> 
                 print(f"renderfarm: warning: {queue.warning}", file=sys.stderr)
         return 1
     print(f"finished: {counts['done']} done, {counts['failed']} failed, {counts['cancelled']} cancelled")
-    with redis.Redis.from_url(Settings.from_env(broker_url=args.broker).broker_url) as client:
+    with redis_client(Settings.from_env(broker_url=args.broker).broker_url) as client:
         totals = Progress(client).status(campaign)  # the whole campaign's, this submission's included
     if totals["device_seconds"]:
         print(f"campaign {campaign}: {device_time(totals)}")
@@ -159,6 +161,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"renderfarm status: error: {err}", file=sys.stderr)
         return 2
+    if args.failures:  # streamed, one line each: a campaign may have failed a million jobs
+        for job_id, reason in campaign_failures(args.campaign, args.broker):
+            print(json.dumps({"job_id": job_id, "reason": reason}) if args.json else f"{job_id}: {reason}")
+        return 0
     report = campaign_status(args.campaign, args.broker, price)
     print(json.dumps(report, indent=2) if args.json else format_status(report))
     return 0
@@ -229,7 +235,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     status = sub.add_parser("status", help="a campaign's progress, failures, rate, ETA and queues")
     status.add_argument("campaign", metavar="CAMPAIGN", help="the campaign's name")
-    status.add_argument("--json", action="store_true", help="one JSON object")
+    status.add_argument("--json", action="store_true",
+                        help="one JSON object (with --failures: one a line); its failures are a sample of "
+                             f"at most {FAILURES_SHOWN} (failures_cut says there are more)")
+    status.add_argument("--failures", action="store_true",
+                        help="list every failure instead, `JOB_ID: REASON` a line, streamed from Redis")
     status.add_argument("--price-per-device-hour", type=float, metavar="PRICE",
                         help="what one device costs an hour (a TPU chip, a GPU), in any currency: status "
                              f"then shows the cost per 1,000 images (default: ${PRICE_ENV}, "

@@ -31,12 +31,12 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import redis
 from celery import Celery
 from celery.schedules import crontab, schedule
 from redbeat import RedBeatScheduler, RedBeatSchedulerEntry
 from redbeat.schedulers import ensure_conf, get_redis
 
+from renderfarm.connections import redbeat_settings, redis_client
 from renderfarm.jobs import SEED_LIMIT, JobError
 from renderfarm.queue import make_app
 from renderfarm.settings import Settings
@@ -112,8 +112,7 @@ def schedule_app(settings: Settings) -> Celery:
     """The farm's app with redbeat configured on the broker's Redis and the campaign task."""
     app = make_app(settings)
     app.conf.update(
-        redbeat_redis_url=settings.broker_url,
-        redbeat_redis_options={},  # not the broker's transport options
+        **redbeat_settings(settings.broker_url),  # its own client, not the broker's transport options
         redbeat_key_prefix=KEY_PREFIX,
         redbeat_lock_timeout=LOCK_TIMEOUT,
         beat_max_loop_interval=BEAT_INTERVAL,
@@ -136,7 +135,7 @@ def run_instance(spec: dict[str, Any], instance: str, settings: Settings) -> Non
     from producer.window import FeederBusy
 
     parsed = parse_spec(spec)  # its paths are absolute
-    client = redis.Redis.from_url(settings.broker_url)
+    client = redis_client(settings.broker_url)
     claim = CLAIM_PREFIX + instance
     if not client.set(claim, 1, nx=True, ex=settings.visibility_timeout):
         log.warning("campaign instance %s already ran or runs: not running it twice", instance)

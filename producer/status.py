@@ -7,11 +7,12 @@ from __future__ import annotations
 import dataclasses
 import datetime
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
-import redis
 from kombu.exceptions import ChannelError
 
+from renderfarm.connections import redis_client
 from renderfarm.deadletters import DeadLetters
 from renderfarm.fleet import fleet
 from renderfarm.jobs import check_campaign
@@ -43,7 +44,7 @@ def farm_queues(broker: str | None = None) -> list[QueueInfo]:
     kombu counts them), how many live workers consume it (they answer over the broker) and
     its dead letters."""
     settings = Settings.from_env(broker_url=broker)
-    with redis.Redis.from_url(settings.broker_url) as client:
+    with redis_client(settings.broker_url) as client:
         names = sorted(name.decode() for name in client.smembers(QUEUES))
         dead = {queue: count["total"] for queue, count in DeadLetters(client).counts().items()}
     names = sorted(set(names) | set(dead))
@@ -67,11 +68,12 @@ def _waiting(channel: Any, queue: str) -> int:
 
 def campaign_status(campaign: str, broker: str | None = None,
                     price_per_device_hour: float | None = None) -> dict[str, Any]:
-    """Progress counts, failures (job id -> reason), images/s, ETA, device time and, given a
-    price per device-hour, the cost per 1,000 images; and the queues with their consumers
-    (`warnings` lists the queues with jobs and no worker)."""
+    """Progress counts, the failures' count and a sample of them (job id -> reason:
+    renderfarm.progress.FAILURES_SHOWN at most; `failures_cut` when there are more),
+    images/s, ETA, device time and, given a price per device-hour, the cost per 1,000 images;
+    and the queues with their consumers (`warnings` lists the queues with jobs and no worker)."""
     check_campaign(campaign)
-    with redis.Redis.from_url(Settings.from_env(broker_url=broker).broker_url) as client:
+    with redis_client(Settings.from_env(broker_url=broker).broker_url) as client:
         report = Progress(client).status(campaign)
     per_hour = report["images_per_device_hour"]
     report["price_per_device_hour"] = price_per_device_hour
@@ -79,7 +81,7 @@ def campaign_status(campaign: str, broker: str | None = None,
                                       if price_per_device_hour is not None and per_hour else None)
     queues = farm_queues(broker)
     report["queues"] = [dataclasses.asdict(q) for q in queues]
-    with redis.Redis.from_url(Settings.from_env(broker_url=broker).broker_url) as client:
+    with redis_client(Settings.from_env(broker_url=broker).broker_url) as client:
         report["workers"] = fleet(client, {q.name: q.jobs for q in queues})
     report["warnings"] = [q.warning for q in queues if q.warning] + [
         f"worker {w['node']} has finished no job for {w['seconds_since_last_batch']:.0f} s while its queue "
@@ -87,12 +89,20 @@ def campaign_status(campaign: str, broker: str | None = None,
     return report
 
 
+def campaign_failures(campaign: str, broker: str | None = None) -> Iterator[tuple[str, str]]:
+    """Every failure of the campaign (job id, reason), streamed from Redis page by page, so
+    listing a million costs neither side the whole hash at once."""
+    check_campaign(campaign)
+    with redis_client(Settings.from_env(broker_url=broker).broker_url) as client:
+        yield from Progress(client).failures(campaign)
+
+
 def cancel_campaign(campaign: str, broker: str | None = None) -> dict[str, Any]:
     """Set the campaign's cancel flag: workers skip its queued jobs as they reach them (they
     count as cancelled); running jobs finish. Returns the progress counts at that moment."""
     check_campaign(campaign)
     settings = Settings.from_env(broker_url=broker)
-    with redis.Redis.from_url(settings.broker_url) as client:
+    with redis_client(settings.broker_url) as client:
         progress = Progress(client)
         progress.cancel(campaign)
         return progress.status(campaign)
@@ -152,12 +162,13 @@ def format_status(report: dict[str, Any]) -> str:
     if report["gated"]:
         lines.append(f"  {'gate':<10} {report['gated']:>8} done images gated, {report['gate_passed']} passed "
                      f"({report['gate_pass_rate']:.1%})")
-    failures = list(report["failures"].items())
-    if failures:
-        lines.append(f"failures ({len(failures)}):")
-        lines += [f"  {job_id}: {reason}" for job_id, reason in failures[:SHOWN_FAILURES]]
-        if len(failures) > SHOWN_FAILURES:
-            lines.append(f"  ... and {len(failures) - SHOWN_FAILURES} more (--json lists all)")
+    if report["failed"]:
+        shown = list(report["failures"].items())[:SHOWN_FAILURES]
+        lines.append(f"failures ({report['failed']}):")
+        lines += [f"  {job_id}: {reason}" for job_id, reason in shown]
+        if report["failed"] > len(shown):
+            lines.append(f"  ... and {report['failed'] - len(shown)} more "
+                         f"(renderfarm status {report['campaign']} --failures lists all)")
     if report["queues"]:
         lines.append("queues:")
         lines += [f"  {q['name']}: {q['jobs']} jobs, {q['consumers']} consumers"

@@ -30,8 +30,9 @@ import redis
 from tqdm import tqdm
 
 from producer.submit import CHUNK, Refused, Submission, WaitTimeout, _Enqueuer
+from renderfarm.connections import redis_client
 from renderfarm.jobs import JobError, JobSpec
-from renderfarm.progress import RELEASE_LOCK, RENEW_LOCK, Progress, key, retrying_client
+from renderfarm.progress import FENCED, RELEASE_LOCK, RENEW_LOCK, Progress, cancel_keys, key, retrying_client
 from renderfarm.queue import make_app
 from renderfarm.settings import Settings
 
@@ -59,6 +60,7 @@ class _Lock:
             raise FeederBusy("campaign", campaign, f"is being fed by another run ({holder}); one feeder per "
                              f"campaign (a run that died frees it within {LOCK_SECONDS} s)")
         self._renew, self._release = client.register_script(RENEW_LOCK), client.register_script(RELEASE_LOCK)
+        self._fenced = client.register_script(FENCED)
         self.lost = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._keep, name=f"feeder-lock-{campaign}", daemon=True)
@@ -77,6 +79,18 @@ class _Lock:
         if self.lost:
             raise FeederBusy("campaign", self.campaign, f"lost its feeder lock (not renewed for {LOCK_SECONDS} s: "
                              "Redis out of reach or the run stalled, and another run took over)")
+
+    def write(self, fields: dict[str, int] | None = None, drop_fields: tuple[str, ...] = (),
+              drop_keys: tuple[str, ...] = ()) -> None:
+        """Set `fields` of the campaign's counts hash, then delete `drop_fields` of it and the
+        `drop_keys`, in one step and only while this run holds the lock (lua/fenced.lua): a run
+        that lost it raises FeederBusy, having written nothing over the live run's books."""
+        pairs = [x for field, value in (fields or {}).items() for x in (field, value)]
+        if not self._fenced(keys=[self.name, key(self.campaign, "counts"), *drop_keys],
+                            args=[self.token, len(pairs) // 2, *pairs, *drop_fields]):
+            self.lost = True
+            raise FeederBusy("campaign", self.campaign, "lost its feeder lock (another run took the campaign "
+                             "over while this one stalled); this run wrote nothing more")
 
     def release(self) -> None:
         self._stop.set()
@@ -115,8 +129,8 @@ class Feeder:
             self.counted = progress.counted(campaign)  # an earlier run fed it through a window
             self._check_kind()
             self.resumed = progress.is_cancelled(campaign)
-            if self.resumed:
-                progress.resume(campaign)
+            if self.resumed:  # as Progress.resume does, in one step, and only while the lock holds
+                self.lock.write(drop_keys=cancel_keys(campaign))
         except BaseException:
             self.__exit__()
             raise
@@ -177,18 +191,14 @@ class Feeder:
     def fed(self) -> None:
         """Mark the campaign fed to the end (status calls it finished once no job is open). A
         run with nothing to send calls it too: the run before may have died after its last
-        chunk and before this mark."""
-        self.client.hset(key(self.campaign, "counts"), "fed", 1)
+        chunk and before this mark. Only while this run holds the lock (else FeederBusy)."""
+        self.lock.write({"fed": 1})
 
     def _start(self, todo: int) -> None:
         """Mark the campaign counted, with this run's window and its total: the jobs done, those
         open (each ends done, failed or cancelled, whether the spec still has it or not) and
-        the `todo` ones this run sends."""
-        counts = key(self.campaign, "counts")
-        pipe = self.client.pipeline(transaction=False)
-        pipe.hset(counts, mapping={"window": self.window, "jobs": self.done + len(self.queued) + todo})
-        pipe.hdel(counts, "fed")
-        pipe.execute()
+        the `todo` ones this run sends. Only while this run holds the lock (else FeederBusy)."""
+        self.lock.write({"window": self.window, "jobs": self.done + len(self.queued) + todo}, drop_fields=("fed",))
 
     def _wait_for_room(self, most: int, poll: float) -> str | None:
         """Wait until at most `most` of the campaign's jobs are open; the reason to stop instead."""
@@ -214,7 +224,7 @@ def follow(campaign: str, broker_url: str, timeout: float | None = None, progres
     """Follow a counted campaign until none of its jobs is open (`campaign run --window --wait`):
     its done, failed and cancelled counts. Raises WaitTimeout after `timeout` seconds."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    with redis.Redis.from_url(broker_url) as client:
+    with redis_client(broker_url) as client:
         state = Progress(client)
         report = state.status(campaign)
         with tqdm(total=report["jobs"], unit="job", desc=f"campaign {campaign}", disable=not progress) as bar:

@@ -81,18 +81,30 @@ class DeadLetters:
         again), each moved in one script (lua/requeue.lua): a letter of a windowed campaign
         becomes open, as its feeder's admit makes a job, so a run of the campaign does not
         send it again, and one a run sent again meanwhile is not pushed twice. Cut ones
-        cannot be requeued and are dropped. Returns (requeued, dropped)."""
+        cannot be requeued and are dropped. Only the letters kept when it starts are moved
+        (at most as many, and none after the newest of them): a worker that refuses a
+        requeued message again dead-letters it anew, and that letter waits for the next
+        requeue instead of making this one run for ever. Returns (requeued, dropped)."""
         requeued = dropped = 0
         letters = entries_key(queue)
-        while (raw := self.r.lindex(letters, -1)) is not None:
+        pipe = self.r.pipeline()  # MULTI/EXEC: the count and the newest of one moment
+        pipe.llen(letters)
+        pipe.lindex(letters, 0)
+        left, newest = pipe.execute()
+        while left and (raw := self.r.lindex(letters, -1)) is not None:
             letter = json.loads(raw)
             message = base64.b64decode(letter["message"])
             campaign, job_id = _job(message, letter.get("job_id"))
             keys = [letters, priority_list(queue, _priority(message)),
                     *(key(campaign or NO_CAMPAIGN, what) for what in ("open", "counts", "failed", "attempts"))]
+            # -1: the letter is gone already (taken by another requeue or a purge, or by this
+            # script itself, sent again after its reply was lost): one fewer to move all the same
             moved = self._requeue(keys=keys, args=[raw, b"" if letter["truncated"] else message, job_id or ""])
             requeued += moved == 1
             dropped += moved == 0 and letter["truncated"]
+            left -= 1
+            if raw == newest:
+                break
         return requeued, dropped
 
     def purge(self, queue: str) -> int:

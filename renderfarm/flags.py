@@ -87,4 +87,5 @@ def job_defaults(args: argparse.Namespace) -> dict[str, Any]:
 
 def broker_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--broker", metavar="URL",
-                        help="Redis broker URL (default: $RENDERFARM_BROKER_URL or redis://localhost:6379/0)")
+                        help="Redis broker URL: redis://, rediss:// or sentinel://...?master_name=NAME "
+                             "(default: $RENDERFARM_BROKER_URL or redis://localhost:6379/0)")

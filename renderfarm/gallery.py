@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import datetime
+import hashlib
 import html
 import io
 import logging
@@ -28,8 +29,10 @@ from typing import Any
 
 from PIL import Image, PngImagePlugin
 
+from renderfarm.errors import shown
 from renderfarm.jobs import SHA256_RE, JobError, check_campaign
-from renderfarm.images import open_image, read_image
+from renderfarm.images import open_image
+from renderfarm.sources import SourceRoots, read_source
 from renderfarm.layout import image_name, index_name, preview_name, source_thumbnail_name, thumbnail_name
 from renderfarm.manifest import (
     Cursor,
@@ -92,14 +95,20 @@ def _thumbnail(storage: Storage, campaign: str, job_id: str) -> bytes:
         return thumb
 
 
-def _ensure_source_thumbnail(storage: Storage, campaign: str, digest: str, ref: str) -> bool:
+def _ensure_source_thumbnail(storage: Storage, campaign: str, digest: str, ref: str,
+                             roots: SourceRoots | None) -> bool:
     """The thumbnail of an image job's source image, made from the source if missing; False if
-    the source cannot be read any more (the gallery then shows the result alone)."""
+    the source cannot be read any more or is not the image its digest names (a line may name
+    any file: only the bytes the job was made from are published), and the gallery then shows
+    the result alone."""
     name = source_thumbnail_name(campaign, digest)
     if storage.exists(name):
         return True
     try:
-        image = open_image(read_image(ref), ref)
+        data = read_source(ref, "init_image", roots)
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise JobError("init_image", ref, f"is not the image its line's init_image_sha256 names ({digest})")
+        image = open_image(data, ref)
     except JobError as err:
         log.warning("gallery of %s: no thumbnail of the source image: %s", campaign, err)
         return False
@@ -164,7 +173,7 @@ figcaption{margin-top:6px;font-size:12px;overflow-wrap:anywhere}
 def _figure(record: dict[str, Any], eager: bool, sources: Collection[str]) -> str:
     """One image's tile; an image job whose source has a thumbnail (in `sources`) shows the
     source beside the result."""
-    spec = record.get("spec") if isinstance(record.get("spec"), dict) else {}
+    spec = _spec(record)
     job_id = record["job_id"]  # validated hex: safe in a URL and in HTML
     prompt = html.escape(str(spec.get("prompt", "")), quote=True)
     seed = html.escape(str(spec.get("seed", "?")))
@@ -262,17 +271,23 @@ class Seen:
         for record in Records(lines, f"{storage.url(campaign)} manifest"):
             if record.get("dropped"):  # its image was not stored (the job's on_nsfw: drop)
                 continue
+            if _spec(record).get("init_image") is not None and _source(record) is None:
+                log.warning("gallery of %s: job %s names init_image %s without a valid init_image_sha256 "
+                            "(64 hex digits): its source image is not shown", campaign, record["job_id"],
+                            shown(_spec(record)["init_image"]))
             self.newest.append(record)
             self.total += 1
 
 
 def refresh(storage: Storage, campaign: str, *, limit: int = DEFAULT_LIMIT, tiles: int = DEFAULT_TILES,
-            make_thumbnails: bool = False, seen: Seen | None = None, manifest: Manifest | None = None) -> Gallery:
+            make_thumbnails: bool = False, seen: Seen | None = None, manifest: Manifest | None = None,
+            roots: SourceRoots | None = None) -> Gallery:
     """Rebuild CAMPAIGN/index.html (newest ``limit`` images) and CAMPAIGN/preview.png (newest
     ``tiles``) from the manifest (from where ``seen`` stopped, if given). Thumbnails the
     contact sheet needs are made from the PNGs if missing; ``make_thumbnails`` also checks
     every listed image (one request each: the `renderfarm gallery` command does it, the
-    worker's periodic refresh does not need to)."""
+    worker's periodic refresh does not need to). Image jobs' sources are read under `roots`
+    when given (a worker's source roots, renderfarm.sources)."""
     for field, value in (("limit", limit), ("tiles", tiles)):
         if value < 1:
             raise JobError(field, value, "must be >= 1")
@@ -287,7 +302,7 @@ def refresh(storage: Storage, campaign: str, *, limit: int = DEFAULT_LIMIT, tile
             made = sum(pool.map(lambda job_id: _ensure_thumbnail(storage, campaign, job_id), ids))
         thumbs = list(pool.map(lambda job_id: _thumbnail(storage, campaign, job_id), ids[:tiles]))
         new = [(digest, ref) for digest, ref in _sources(shown).items() if digest not in seen.sources]
-        readable = list(pool.map(lambda source: _ensure_source_thumbnail(storage, campaign, *source), new))
+        readable = list(pool.map(lambda source: _ensure_source_thumbnail(storage, campaign, *source, roots), new))
         seen.sources |= {digest for (digest, _), ok in zip(new, readable) if ok}
     page = render_index(campaign, shown, total, manifest_link=isinstance(storage, LocalStorage),
                         sources=seen.sources)
@@ -296,15 +311,23 @@ def refresh(storage: Storage, campaign: str, *, limit: int = DEFAULT_LIMIT, tile
                    storage.url(index_name(campaign)), storage.url(preview_name(campaign)))
 
 
+def _spec(record: dict[str, Any]) -> dict[str, Any]:
+    spec = record.get("spec")
+    return spec if isinstance(spec, dict) else {}
+
+
+def _source(record: dict[str, Any]) -> tuple[str, str] | None:
+    """An image job's source image: (sha256, reference); None for a text job's line, and for
+    one whose digest is missing or malformed: nothing then vouches for the file it names."""
+    digest, ref = _spec(record).get("init_image_sha256"), _spec(record).get("init_image")
+    if isinstance(digest, str) and SHA256_RE.fullmatch(digest) and isinstance(ref, str):
+        return digest, ref
+    return None
+
+
 def _sources(records: list[dict[str, Any]]) -> dict[str, str]:
     """The source images of the image jobs among `records`: sha256 -> reference."""
-    found = {}
-    for record in records:
-        spec = record.get("spec") if isinstance(record.get("spec"), dict) else {}
-        digest, ref = spec.get("init_image_sha256"), spec.get("init_image")
-        if isinstance(digest, str) and SHA256_RE.fullmatch(digest) and isinstance(ref, str):
-            found[digest] = ref
-    return found
+    return dict(filter(None, map(_source, records)))
 
 
 def publish(storage: Storage, campaign: str, total: int, sheet: bytes, page: bytes) -> bool:
@@ -337,12 +360,13 @@ class Refresher:
     """Keeps galleries fresh without a rebuild per bundle: call :meth:`stored` with the
     campaigns of each stored bundle (a campaign is refreshed at once the first time, then at
     most every ``interval`` seconds) and :meth:`flush` when the queue drains or the worker
-    stops. Each refresh reads only the manifest lines written since the last one. A failed
-    refresh is logged, never raised: a gallery must not fail renders."""
+    stops. Each refresh reads only the manifest lines written since the last one, and image
+    jobs' sources only under ``roots`` (a worker's). A failed refresh is logged, never raised:
+    a gallery must not fail renders."""
 
     def __init__(self, storage: Storage, interval: float = 30.0, limit: int = DEFAULT_LIMIT,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.storage, self.interval, self.limit, self.clock = storage, interval, limit, clock
+                 clock: Callable[[], float] = time.monotonic, roots: SourceRoots | None = None) -> None:
+        self.storage, self.interval, self.limit, self.clock, self.roots = storage, interval, limit, clock, roots
         self.manifest = open_manifest(storage)
         self._last: dict[str, float] = {}
         self._stale: set[str] = set()
@@ -365,6 +389,6 @@ class Refresher:
         self._last[campaign] = self.clock()
         seen = self._seen.setdefault(campaign, Seen(collections.deque(maxlen=self.limit)))
         try:
-            refresh(self.storage, campaign, limit=self.limit, seen=seen, manifest=self.manifest)
+            refresh(self.storage, campaign, limit=self.limit, seen=seen, manifest=self.manifest, roots=self.roots)
         except Exception:  # noqa: BLE001 - logged; the next refresh retries
             log.warning("gallery refresh of %s failed", campaign, exc_info=True)

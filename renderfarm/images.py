@@ -1,7 +1,8 @@
-"""Init images and masks of image jobs: read from a path or storage URL, checked and digested
-by the producer before a job is enqueued, and made by the worker into the pixels diffusers'
-img2img and inpaint pipelines start from (`diffusers.utils.load_image`, then
-`VaeImageProcessor`: the image processor's for the image, the mask processor's for the mask).
+"""Init images and masks of image jobs: read from a path or storage URL (renderfarm.sources
+says what may be read), checked and digested by the producer before a job is enqueued, and
+made by the worker into the pixels diffusers' img2img and inpaint pipelines start from
+(`diffusers.utils.load_image`, then `VaeImageProcessor`: the image processor's for the image,
+the mask processor's for the mask).
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
-import posixpath
 import warnings
 
 import numpy as np
@@ -17,19 +17,10 @@ import PIL.Image
 import PIL.ImageOps
 
 from renderfarm.jobs import JobError, JobSpec
-from renderfarm.storage import open_storage
+from renderfarm.sources import SourceRoots, read_source
 
 MAX_PIXELS = 8192 * 8192  # a larger image is refused, never decoded (a decompression bomb)
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")  # an images source's files
-
-
-def read_image(ref: str, field: str = "init_image") -> bytes:
-    """The bytes of `ref`: a local path, `file://` or `gs://` URL (through renderfarm.storage)."""
-    folder, name = posixpath.split(ref.rstrip("/"))
-    try:
-        return open_storage(folder or ".").get(name)
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, ValueError) as err:
-        raise JobError(field, ref, f"must be a readable image file ({type(err).__name__})") from None
 
 
 def open_image(data: bytes, ref: str, field: str = "init_image") -> PIL.Image.Image:
@@ -61,10 +52,11 @@ def check_init_image(spec: JobSpec, size_step: int) -> JobSpec:
                                mask_image_sha256=mask_digest)
 
 
-def check_mask(spec: JobSpec, image: PIL.Image.Image) -> tuple[PIL.Image.Image, str]:
+def check_mask(spec: JobSpec, image: PIL.Image.Image,
+               roots: SourceRoots | None = None) -> tuple[PIL.Image.Image, str]:
     """An inpainting job's mask read and held to its image: both are resized to the job's
     size, so the mask must have the image's aspect ratio (any scale of it); with its sha256."""
-    mask, digest = load_mask_image(spec)
+    mask, digest = load_mask_image(spec, roots)
     if mask.width * image.height != mask.height * image.width:
         raise JobError("mask_image", spec.mask_image,
                        f"is {mask.width}x{mask.height}: it must have its init image's shape, "
@@ -72,19 +64,20 @@ def check_mask(spec: JobSpec, image: PIL.Image.Image) -> tuple[PIL.Image.Image, 
     return mask, digest
 
 
-def load_init_image(spec: JobSpec) -> tuple[PIL.Image.Image, str]:
+def load_init_image(spec: JobSpec, roots: SourceRoots | None = None) -> tuple[PIL.Image.Image, str]:
     """A job's init image, opened, and its sha256; refused if the job names another digest
-    (the file changed since the job was made, or the job was altered)."""
-    return _load(spec.init_image, spec.init_image_sha256, "init_image")
+    (the file changed since the job was made, or the job was altered). `roots`: a farm
+    worker's source roots (renderfarm.sources); None reads what the caller's user names."""
+    return _load(spec.init_image, spec.init_image_sha256, "init_image", roots)
 
 
-def load_mask_image(spec: JobSpec) -> tuple[PIL.Image.Image, str]:
+def load_mask_image(spec: JobSpec, roots: SourceRoots | None = None) -> tuple[PIL.Image.Image, str]:
     """A job's mask, opened as its init image is, and its sha256 (checked as the image's)."""
-    return _load(spec.mask_image, spec.mask_image_sha256, "mask_image")
+    return _load(spec.mask_image, spec.mask_image_sha256, "mask_image", roots)
 
 
-def _load(ref: str, expected: str | None, field: str) -> tuple[PIL.Image.Image, str]:
-    data = read_image(ref, field)
+def _load(ref: str, expected: str | None, field: str, roots: SourceRoots | None) -> tuple[PIL.Image.Image, str]:
+    data = read_source(ref, field, roots)
     digest = hashlib.sha256(data).hexdigest()
     if expected not in (None, digest):
         raise JobError(field, ref, f"is not the image the job was made with: sha256 {digest}, not {expected}")

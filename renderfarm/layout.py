@@ -8,6 +8,7 @@ producers, workers, exports and galleries all use (docs/design.md lists every fi
     ROOT/CAMPAIGN/thumbs/JOB_ID.jpg thumbnail (~128 px) for the gallery
     ROOT/CAMPAIGN/index.html        static gallery page (relative links)
     ROOT/CAMPAIGN/preview.png       contact sheet of the newest thumbnails
+    ROOT/~workers/HOST.json         a worker's start-up proof that it can write here
 
 Names are relative to the root (a renderfarm.storage backend). Campaign names and job ids
 are checked, so a name never reaches outside its campaign's folder.
@@ -67,6 +68,13 @@ def index_name(campaign: str) -> str:
 def preview_name(campaign: str) -> str:
     """Relative name of a campaign's contact sheet: ``CAMPAIGN/preview.png``."""
     return f"{check_campaign(campaign)}/preview.png"
+
+
+def write_check_name(host: str) -> str:
+    """Where a worker proves at start-up that it can write its output and read it back:
+    ``~workers/HOST.json``, one a host, overwritten at each start (`~` is in no campaign's
+    name, so no campaign's files are touched)."""
+    return f"~workers/{re.sub(r'[^A-Za-z0-9._-]', '-', host)[:128] or 'host'}.json"
 
 
 def sidecar_job_id(campaign: str, name: str) -> str | None:

@@ -155,10 +155,9 @@ class FileManifest(Manifest):
         data = _encode(entries)
         if not data:
             return
-        path = self.storage.path(f"{check_campaign(campaign)}/{MANIFEST_BASENAME}")
-        path.parent.mkdir(parents=True, exist_ok=True)
+        name = f"{check_campaign(campaign)}/{MANIFEST_BASENAME}"
         with self._lock:
-            fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+            fd = self.storage.open_file(name, os.O_RDWR | os.O_APPEND | os.O_CREAT)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
                 recent = self._catch_up(campaign, fd)
@@ -178,10 +177,9 @@ class FileManifest(Manifest):
                 os.close(fd)  # releases the flock
 
     def holds(self, campaign: str, part: str, job_id: str) -> bool:
-        path = self.storage.path(f"{check_campaign(campaign)}/{MANIFEST_BASENAME}")
         with self._lock:
             try:
-                fd = os.open(path, os.O_RDONLY)
+                fd = self.storage.open_file(f"{check_campaign(campaign)}/{MANIFEST_BASENAME}", os.O_RDONLY)
             except FileNotFoundError:
                 return False
             try:
@@ -192,8 +190,8 @@ class FileManifest(Manifest):
 
     def read(self, campaign: str, cursor: Cursor | None = None) -> tuple[list[bytes], Cursor]:
         cursor = cursor or Cursor()
-        path = self.storage.path(f"{check_campaign(campaign)}/{MANIFEST_BASENAME}")
-        with open(path, "rb") as file:  # FileNotFoundError when there is none
+        fd = self.storage.open_file(f"{check_campaign(campaign)}/{MANIFEST_BASENAME}", os.O_RDONLY)
+        with open(fd, "rb") as file:  # FileNotFoundError when there is none
             file.seek(cursor.offset)
             data = file.read()
         whole = data.rfind(b"\n") + 1

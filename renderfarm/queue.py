@@ -11,6 +11,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from celery import Celery
 
+from renderfarm.connections import celery_settings
 from renderfarm.jobs import JobSpec, Lora, loras_key
 from renderfarm.settings import Settings
 
@@ -50,7 +51,8 @@ def make_app(settings: Settings | None = None) -> Celery:
         "queue_order_strategy": "priority",
         "priority_steps": PRIORITY_STEPS,
     }
-    app = Celery("renderfarm", broker=settings.broker_url, backend=settings.broker_url)
+    where = celery_settings(settings.broker_url)  # a Redis, or one behind Sentinel
+    app = Celery("renderfarm", broker=where["broker_url"], backend=where["result_backend"])
     app.conf.update(
         task_serializer="json",
         result_serializer="json",
@@ -63,9 +65,11 @@ def make_app(settings: Settings | None = None) -> Celery:
         task_ignore_result=True,  # a job's result is its stored sidecar; failures are recorded
         task_acks_late=True,
         task_reject_on_worker_lost=True,
-        broker_transport_options=transport,
+        broker_transport_options={**transport, **where["broker_transport_options"]},
         # The result backend and the app read their own copies of the timeout.
-        result_backend_transport_options={"visibility_timeout": settings.visibility_timeout},
+        result_backend_transport_options={"visibility_timeout": settings.visibility_timeout,
+                                          **where["result_backend_transport_options"]},
+        broker_failover_strategy=where["broker_failover_strategy"],
         visibility_timeout=settings.visibility_timeout,
         broker_connection_retry_on_startup=True,
         broker_connection_max_retries=None,

@@ -12,7 +12,7 @@ A sidecar's `scores` holds what was asked for:
   phash      phash: the 64-bit perceptual hash, 16 hex digits (imagehash.phash's string)
 and `scores_missing`: {score: why} for a score that could not be computed (the image is kept).
 
-An expression compares the values `nsfw`, `clip` and `aesthetic` with numbers, joined by
+An expression compares the values `nsfw`, `clip` and `aesthetic` with numbers (`-1` too), joined by
 `and`, `or`, `not` and parentheses: `clip >= 28 and aesthetic >= 5.5 and not nsfw`. It is
 parsed by Python's own parser and evaluated by the walker here, which knows no other node:
 no call, attribute, subscript or name beyond those three can run.
@@ -41,8 +41,8 @@ _COMPARE: dict[type, Callable[[Any, Any], bool]] = {
     ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt, ast.GtE: operator.ge,
     ast.Eq: operator.eq, ast.NotEq: operator.ne}
 _WORDS = {"true": True, "false": False}  # as JSON and YAML write them; Python's True and False parse as they are
-_RULE = ("must compare nsfw, clip and aesthetic with numbers (< <= > >= == !=), joined by and, or, not "
-         "and parentheses, e.g. 'clip >= 28 and aesthetic >= 5.5 and not nsfw'")
+_RULE = ("must compare nsfw, clip and aesthetic with numbers (< <= > >= == !=; a number may be negative, "
+         "-0.5), joined by and, or, not and parentheses, e.g. 'clip >= 28 and aesthetic >= 5.5 and not nsfw'")
 
 
 class Expression:
@@ -69,9 +69,13 @@ class Expression:
             self._check(node.operand, field)
         elif isinstance(node, ast.Compare) and all(type(op) in _COMPARE for op in node.ops):
             for part in (node.left, *node.comparators):
-                if not isinstance(part, (ast.Name, ast.Constant)):
+                if not isinstance(part, (ast.Name, ast.Constant)) and not _is_minus(part):
                     raise JobError(field, self.text, f"compares {ast.unparse(part)!r}: {_RULE}")
                 self._check(part, field)
+        elif _is_minus(node):
+            if not (isinstance(node.operand, ast.Constant) and type(node.operand.value) in (int, float)):
+                raise JobError(field, self.text, f"negates {ast.unparse(node.operand)!r}: only a number "
+                                                 f"may be negated, as in 'clip > -1': {_RULE}")
         elif isinstance(node, ast.Name) and node.id in _WORDS:
             pass
         elif isinstance(node, ast.Name):
@@ -91,10 +95,17 @@ class Expression:
         return bool(_evaluate(self._tree, values))
 
 
+def _is_minus(node: ast.AST) -> bool:
+    """A unary minus: Python parses `-1` as minus applied to 1 (_check lets it apply to a number only)."""
+    return isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub)
+
+
 def _evaluate(node: ast.AST, values: Mapping[str, Any]) -> Any:
     if isinstance(node, ast.BoolOp):
         results = (_evaluate(v, values) for v in node.values)
         return all(results) if isinstance(node.op, ast.And) else any(results)
+    if _is_minus(node):
+        return -node.operand.value  # a negative number: _check let no other operand through
     if isinstance(node, ast.UnaryOp):
         return not _evaluate(node.operand, values)
     if isinstance(node, ast.Compare):

@@ -17,6 +17,8 @@ class Settings:
     # How often (seconds) a worker scans for such jobs (kombu scans every interval x throttle).
     restore_interval: int = 10
     max_attempts: int = 3  # a job that fails this many times is failed for good
+    # Transient failures (storage or the broker away) a job is forgiven before its attempts count.
+    max_refunds: int = 5
 
     @classmethod
     def from_env(cls, **overrides: object) -> Settings:
@@ -26,6 +28,7 @@ class Settings:
             "visibility_timeout": int(env.get("RENDERFARM_VISIBILITY_TIMEOUT", cls.visibility_timeout)),
             "restore_interval": int(env.get("RENDERFARM_RESTORE_INTERVAL", cls.restore_interval)),
             "max_attempts": int(env.get("RENDERFARM_MAX_ATTEMPTS", cls.max_attempts)),
+            "max_refunds": int(env.get("RENDERFARM_MAX_REFUNDS", cls.max_refunds)),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]

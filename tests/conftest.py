@@ -62,7 +62,7 @@ FLUX_FILES = ("test_flux.py", "test_flux_files.py", "test_flux_lora.py")
 # process of their own (a Celery worker, the engine benchmark's smoke run): run in one process,
 # taken early (pytest-xdist hands out the groups with the most tests first), so that their
 # waits overlap the other processes' compiles instead of leaving a core idle at the end.
-WAITING_FILES = ("test_schedules.py", "test_broker.py", "test_producer.py", "test_bench_engine.py")
+WAITING_FILES = ("test_schedules.py", "test_broker.py", "test_producer.py", "test_bench_engine.py", "test_sentinel.py")
 # Files whose module-scoped fixtures are costly (renders, workers) or whose tests share what one
 # process compiles, loads or traces (test_loading's conversions and old-loader references,
 # test_nn's Flax classes): each runs in one process, so that these are built once
@@ -198,8 +198,10 @@ threading.Thread._bootstrap_inner = _named
 def farm(gcs_server: GcsEmulator, tiny_sd: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Farm]:
     """Started once a session (worker processes are the slow part of a farm test): a Redis of its
     own (append-only, so that a restart keeps what was written), two workers with --metrics-port
-    and --store-threads 3, storing to FARM_OUT through a proxy. The first worker compiles into a
-    cold cache of its own, so that its metrics show the compile; the second uses the session's."""
+    and --store-threads 3, storing to FARM_OUT through a proxy and reading image jobs' sources
+    from the session's temporary folders (every test's tmp_path is below them). The first worker
+    compiles into a cold cache of its own, so that its metrics show the compile; the second uses
+    the session's."""
     server = RedisServer(appendonly=True)
     gcs_server.create_bucket(FARM_OUT.removeprefix("gs://").split("/")[0])
     proxy = GcsProxy(gcs_server.url)
@@ -213,7 +215,7 @@ def farm(gcs_server: GcsEmulator, tiny_sd: Path, tmp_path_factory: pytest.TempPa
     cold = ("--compile-cache", str(tmp_path_factory.mktemp("cold-cache")))
     workers = [WorkerProcess(tiny_sd, FARM_OUT, server.url, f"w{i}", logs, env,
                              extra=("--store-threads", str(STORE_THREADS), "--metrics-port", str(port),
-                                    *(cold if i == 0 else ())))
+                                    "--source-root", str(tmp_path_factory.getbasetemp()), *(cold if i == 0 else ())))
                for i, port in enumerate(ports)]
     try:
         for worker in workers:

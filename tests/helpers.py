@@ -16,6 +16,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -24,12 +25,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+import redis
 from flax.traverse_util import flatten_dict
 from PIL import Image
 
 from diffusion.models import LoadedModel, load_model
 from harness.farm import STEPS, WorkerProcess
-from harness.redis_server import RedisServer
+from harness.redis_server import RedisServer, free_port
 from renderfarm.jobs import JobSpec, parse_job
 from renderfarm.layout import manifest_name
 from renderfarm.progress import Progress
@@ -295,3 +297,50 @@ def submitted(server: RedisServer, campaign: str, ids: list[str], window: int | 
     assert progress.admit(campaign, [(i, "rf.q", i) for i in ids], ["rf.q"], "holder", "t1") == ("ok", len(ids))
     return progress
 
+
+
+# --------------------------------------------------------------------------- deployments' sentinels
+
+def heredoc(script: str) -> str:
+    """What a deployment's shell script writes with `cat > FILE <<EOF` (a sentinel's configuration)."""
+    lines = script.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.rstrip().endswith("<<EOF"))
+    end = lines.index("EOF", start)
+    return "\n".join(lines[start + 1:end]) + "\n"
+
+
+def redis_options(command: list[str]) -> dict[str, str]:
+    """A deployment's redis-server command line as its `--flag value` pairs (`--replicaof HOST
+    PORT` as one "HOST PORT")."""
+    assert command[0] == "redis-server", command
+    options, rest = {}, command[1:]
+    while rest:
+        width = 3 if rest[0] == "--replicaof" else 2
+        options[rest[0]] = " ".join(rest[1:width])
+        rest = rest[width:]
+    return options
+
+
+def sentinel_master(config: str, monitored: str, folder: Path) -> dict[str, Any]:
+    """Start a real sentinel (`redis-server CONFIG --sentinel`) on a deployment's configuration,
+    with a free port for its own and `monitored` (the host it names) read as localhost, and
+    return what it says of the master it monitors: a configuration redis-server refuses fails."""
+    port = free_port()
+    lines = [f"port {port}" if line.startswith("port ") else line.replace(f" {monitored} ", " localhost ")
+             for line in config.splitlines()]
+    path = folder / "sentinel.conf"
+    path.write_text("\n".join(lines) + "\n")
+    server = subprocess.Popen(["redis-server", str(path), "--sentinel", "--dir", str(folder)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        client = redis.Redis(port=port, decode_responses=True)
+        for _ in range(100):
+            assert server.poll() is None, f"redis-server refused the configuration: {server.communicate()[0]}"
+            with contextlib.suppress(redis.ConnectionError):
+                (master,) = client.sentinel_masters().values()
+                return master
+            time.sleep(0.05)
+        raise AssertionError("the sentinel did not start")
+    finally:
+        server.kill()
+        server.wait()

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -19,6 +20,7 @@ import redis
 from kombu import Connection, Exchange, Queue
 from kombu.asynchronous import Hub
 
+from harness.farm import wait_for
 from harness.redis_server import RedisServer
 from renderfarm import deadletters
 from renderfarm.queue import PRIORITY_STEPS, TASK_NAME, redis_priority
@@ -100,10 +102,13 @@ def test_priority_order_fifo_and_recorded_as_unacked_when_delivered(broker: str,
     def on_message(body: str, message: Any) -> None:
         record = r.hget("unacked", message.delivery_tag)
         assert record is not None and r.zscore("unacked_index", message.delivery_tag) is not None
-        # what kombu's restore reads: the message as it was queued (the door adds Flower's reprs)
+        # what kombu's restore reads: the message as it was queued (the door adds Flower's reprs,
+        # the pop script this delivery's own tag: the message's own and the pop's time)
+        queued_tag, _, pop = message.delivery_tag.partition("#")
         raw = {**message._raw, "headers": {k: v for k, v in message._raw["headers"].items()
-                                           if k not in ("argsrepr", "kwargsrepr")}}
-        assert json.loads(record) == [raw, "jobs", "jobs"]
+                                           if k not in ("argsrepr", "kwargsrepr")},
+               "properties": {**message._raw["properties"], "delivery_tag": queued_tag}}
+        assert pop and json.loads(record) == [raw, "", "jobs"]  # routed to the queue it was popped from
         seen.append(message)
 
     with connect(broker) as conn, conn.Consumer(QUEUE, callbacks=[on_message]) as consumer:
@@ -183,6 +188,38 @@ def test_rejected_message_is_requeued_and_delivered_again(broker: str, redis_ser
     assert received[1].delivery_info["redelivered"]
 
 
+@pytest.mark.parametrize("prefix", ["", "pfx:"], ids=["popped-by-the-script", "global-key-prefix"])
+@pytest.mark.parametrize("back", ["rejected", "restored"])
+@pytest.mark.parametrize("named", [{"exchange": "", "routing_key": "nowhere"},
+                                   {"exchange": "elsewhere", "routing_key": "nowhere"}],
+                         ids=["another-routing-key", "another-exchange"])
+def test_a_message_put_back_returns_to_the_queue_it_was_taken_from(
+        broker: str, redis_server: RedisServer, named: dict[str, str], back: str, prefix: str) -> None:
+    """A message may name any exchange and routing key: rejected with requeue, or restored
+    (here by its consumer's close, as by the visibility timeout's scan), it goes back on the
+    queue it was popped from, not to a list its route names (a new key no worker consumes) or
+    nowhere (an exchange with no binding)."""
+    r = redis_server.client()
+    received: list[Any] = []
+    with connect(broker, global_keyprefix=prefix) as conn, \
+            conn.Consumer(QUEUE, callbacks=[lambda _, m: received.append(m)]) as consumer:
+        conn.Producer().publish([[], {"name": "routed"}, {}], exchange=QUEUE.exchange, routing_key=QUEUE.routing_key,
+                                serializer="json", headers={"task": TASK_NAME, "id": "routed"})
+        [key] = r.keys(f"{prefix}{QUEUE.name}*")
+        payload = json.loads(r.lindex(key, 0))
+        payload["properties"]["delivery_info"].update(named)
+        r.lset(key, 0, json.dumps(payload))
+        before = set(r.keys())
+        drain(conn, lambda: len(received) == 1, 5)
+        assert received[0].delivery_info["routing_key"] == "nowhere" and r.llen(key) == 0
+        if back == "rejected":
+            received[0].reject(requeue=True)
+        else:
+            consumer.channel.qos.restore_unacked()
+        assert json.loads(r.lindex(key, 0))["headers"]["id"] == "routed"
+        assert set(r.keys()) == before and r.llen(key) == 1 and r.hlen(f"{prefix}unacked") == 0
+
+
 def publish_with_tag(url: str, r: redis.Redis, message: str, tag: str) -> None:
     """A render-task message whose delivery tag is `tag`: a producer chooses its own (stock kombu
     records a message under it)."""
@@ -193,11 +230,65 @@ def publish_with_tag(url: str, r: redis.Redis, message: str, tag: str) -> None:
     r.lset(key, 0, json.dumps(payload))
 
 
+def test_messages_popped_and_not_handed_over_yet_are_kept_fresh(broker: str, redis_server: RedisServer) -> None:
+    """The consumer handles a pop's messages one after another, and one may hold it up for
+    longer than the visibility timeout (a full bundle waiting for the store threads): the rest
+    of that pop, recorded as taken but not delivered yet, are stamped too, so another worker's
+    restore scan takes none of them."""
+    r = redis_server.client()
+    publish(broker, [(f"m{i}", None) for i in range(4)])
+    held: list[Any] = []
+
+    def slow(_: Any, message: Any) -> None:
+        held.append(message)
+        if len(held) == 1:
+            time.sleep(3)  # three visibility timeouts, the other three messages popped with this one
+
+    with connect(broker) as conn, conn.Consumer(QUEUE, callbacks=[slow]):
+        holder = threading.Thread(target=drain, args=(conn, lambda: len(held) == 4, 10))
+        holder.start()
+        wait_for(lambda: len(held) == 1, 5, "the first delivery")
+        restored: list[Any] = []
+        with connect(broker) as other, other.Consumer(QUEUE, callbacks=[lambda _, m: restored.append(m)]):
+            drain(other, lambda: False, 2.5)  # its restore scans run on every empty poll
+        holder.join()
+        assert restored == [] and len(held) == 4 and r.hlen("unacked") == 4
+
+
+def test_a_late_settle_of_a_message_delivered_again_leaves_its_new_holder_alone(
+        broker: str, redis_server: RedisServer) -> None:
+    """A worker whose message a restore took (its keeper late, its connection lost) may still
+    settle it after another worker got it again: its acknowledgement or requeue finds no record
+    of its own delivery, and neither drops the new holder's record nor pushes a second copy."""
+    r = redis_server.client()
+    publish(broker, [("m0", None), ("m1", None)])
+    first: list[Any] = []
+    with connect(broker) as conn, conn.Consumer(QUEUE, callbacks=[lambda _, m: first.append(m)]) as consumer:
+        drain(conn, lambda: len(first) == 2, 5)
+        consumer.channel._stop_keeping.set()  # its keeper stops: the messages age past the timeout
+        consumer.channel._keeper.join(5)
+        again: list[Any] = []
+        with connect(broker) as other, other.Consumer(QUEUE, callbacks=[lambda _, m: again.append(m)]) as second:
+            drain(other, lambda: len(again) == 2, 10)  # restored by its scan, and delivered again
+            assert sorted(name(m) for m in again) == ["m0", "m1"]
+            late_ack, late_requeue = sorted(first, key=name)
+            late_ack.ack()
+            consumer.channel.qos.flush_acks()
+            late_requeue.reject(requeue=True)
+            assert queued(r) == 0  # no second copy
+            assert set(r.hkeys("unacked")) == {m.delivery_tag.encode() for m in again}  # their records kept
+            for message in again:
+                message.ack()
+            second.channel.qos.flush_acks()
+    assert r.hlen("unacked") == r.zcard("unacked_index") == queued(r) == 0
+
+
 @pytest.mark.parametrize("pops", ["in one pop", "one held, the others popped later"])
 def test_messages_with_the_same_delivery_tag_are_held_acked_and_restored_apart(
         broker: str, redis_server: RedisServer, pops: str) -> None:
-    """A pushed message may carry the tag of one held unacked: it is recorded under a fresh tag
-    of its own, so none overwrites another's record, and each is acked or put back alone."""
+    """A pushed message may carry the tag of one held unacked: each delivery is recorded under a
+    tag of its own, so none overwrites another's record, and each is acked or put back alone;
+    a message put back and delivered again has another tag than its first delivery."""
     r = redis_server.client()
     received: list[Any] = []
     with connect(broker) as conn, conn.Consumer(QUEUE, callbacks=[lambda _, m: received.append(m)]) as consumer:
@@ -209,7 +300,8 @@ def test_messages_with_the_same_delivery_tag_are_held_acked_and_restored_apart(
         drain(conn, lambda: len(received) == 3, 5)
         a, b, c = sorted(received, key=name)
         assert [name(m) for m in (a, b, c)] == ["a", "b", "c"] and queued(r) == 0
-        assert a.delivery_tag == "same" and len({a.delivery_tag, b.delivery_tag, c.delivery_tag}) == 3
+        assert all(m.delivery_tag.startswith("same#") for m in (a, b, c))
+        assert len({a.delivery_tag, b.delivery_tag, c.delivery_tag}) == 3
         for message in (a, b, c):  # each recorded under its own tag: the message as it was queued
             record = json.loads(r.hget("unacked", message.delivery_tag))
             assert record[0]["properties"]["delivery_tag"] == "same" and record[0]["headers"]["id"] == name(message)
@@ -223,7 +315,8 @@ def test_messages_with_the_same_delivery_tag_are_held_acked_and_restored_apart(
         assert r.hlen("unacked") == 0 and queued(r) == 1
         drain(conn, lambda: len(received) == 4, 5)
         again = received[3]
-        assert name(again) == "b" and again.delivery_info["redelivered"] and again.delivery_tag == "same"
+        assert name(again) == "b" and again.delivery_info["redelivered"]
+        assert again.delivery_tag.startswith("same#") and again.delivery_tag != b.delivery_tag
         again.ack()
         consumer.channel.qos.flush_acks()
     assert r.hlen("unacked") == r.zcard("unacked_index") == queued(r) == 0
@@ -333,7 +426,7 @@ def test_held_messages_are_kept_fresh_and_a_dead_consumers_come_back(broker: str
             drain(other, lambda: False, 3)  # three visibility timeouts: its restore scans run
         assert len(held) == 3 and queued(r) == 0  # nothing restored while they are held
         assert all(r.zscore("unacked_index", tag) > score for tag, score in stamped.items())
-        consumer.channel._closing.set()  # as if the holder died: no more stamps
+        consumer.channel._stop_keeping.set()  # as if the holder died: no more stamps
         consumer.channel._keeper.join(5)
         assert not consumer.channel._keeper.is_alive()
         returned: list[Any] = []
@@ -351,7 +444,7 @@ def test_a_consumer_whose_keeper_ran_late_does_not_restore_what_it_holds(broker:
     held: list[Any] = []
     with connect(broker) as conn, conn.Consumer(QUEUE, callbacks=[lambda _, m: held.append(m)]) as consumer:
         drain(conn, lambda: len(held) == 3, 5)
-        consumer.channel._closing.set()  # the keeper stops: it is late from here on
+        consumer.channel._stop_keeping.set()  # the keeper stops: it is late from here on
         consumer.channel._keeper.join(5)
         time.sleep(1.5)  # past the visibility timeout (1 s)
         drain(conn, lambda: False, 2)  # its restore scans run on every empty poll
@@ -405,6 +498,7 @@ def test_the_kombu_internals_the_transport_extends_are_those_it_was_written_for(
     assert list(inspect.signature(kredis.Channel._brpop_start).parameters) == ["self", "timeout"]
     assert list(inspect.signature(kredis.QoS._remove_from_indices).parameters) == ["self", "delivery_tag", "pipe"]
     assert list(inspect.signature(kredis.QoS.append).parameters) == ["self", "message", "delivery_tag"]
+    assert list(inspect.signature(kredis.Transport._deliver).parameters) == ["self", "message", "queue"]
     assert list(inspect.signature(kredis.QoS.restore_visible).parameters) == ["self", "start", "num", "interval"]
     attributes = ["unacked_key", "unacked_index_key", "priority_steps", "sep", "visibility_timeout",
                   "global_keyprefix"]

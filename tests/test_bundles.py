@@ -200,7 +200,7 @@ def test_fleet_hook_adds_each_stored_bundle_to_the_workers_totals(broker: str) -
 
 def test_gallery_hook_refreshes_stored_campaigns_and_once_more_when_quiet(sd_model: Any, tmp_path: Path) -> None:
     storage = open_storage(str(tmp_path / "out"))
-    hook = GalleryHook(storage, quiet=0.2)
+    hook = GalleryHook(storage, None, quiet=0.2)
 
     def store(*jobs: Job) -> None:
         bundle = gathered(*jobs, hooks=(hook,))

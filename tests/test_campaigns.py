@@ -28,7 +28,7 @@ from harness.redis_server import RedisServer
 from producer.campaigns import CampaignSpec, StrictError, campaign_jobs, load_spec, run_campaign
 from producer.status import cancel_campaign
 from producer.window import FeederBusy
-from renderfarm.progress import Progress
+from renderfarm.progress import ATTEMPTS_TTL, NOT_OPEN, NOT_SUBMITTED, REFUNDS_TTL, Progress
 from renderfarm.queue import queue_name
 from renderfarm.settings import Settings
 from renderfarm.storage import open_storage
@@ -319,8 +319,9 @@ def test_a_campaign_is_windowed_or_not_for_good(broker: str, redis_server: Redis
 
 
 def test_a_counted_campaign_tells_a_job_delivered_again_after_it_finished(redis_server: RedisServer) -> None:
-    """Its attempts are forgotten when it is done: a later delivery of it is still not its first
-    (so the worker looks for its stored result), and it is counted done once."""
+    """Its attempts are forgotten when it is done: a later delivery of it is not open
+    (NOT_OPEN, nothing recorded: the worker looks for its stored result), and it is counted done
+    once."""
     client = redis_server.client()
     client.flushall()
     progress = Progress(client)
@@ -333,7 +334,8 @@ def test_a_counted_campaign_tells_a_job_delivered_again_after_it_finished(redis_
     assert progress.started([("counted", "a"), ("counted", "b")]) == [1, 1]
     progress.finished([("counted", "a")], [1.5])
     assert not client.hexists("rf:c:counted:attempts", "a")
-    assert progress.started([("counted", "a"), ("counted", "b")]) == [2, 2]
+    assert progress.started([("counted", "a"), ("counted", "b")]) == [NOT_OPEN, 2]
+    assert not client.hexists("rf:c:counted:attempts", "a") and not client.sismember("rf:c:counted:running", "a")
     progress.finished([("counted", "a"), ("counted", "b")], [1.5, 2.0])
     status = progress.status("counted")
     assert (status["submitted"], status["done"], status["device_seconds"]) == (2, 2, 3.5)
@@ -410,6 +412,92 @@ def test_a_job_counts_once_in_the_state_it_ends_in(redis_server: RedisServer, wi
     progress.failed("ends", "c", "a duplicate delivery failed")
     progress.skipped("ends", "a")
     assert counts() == ended
+
+
+def contents(client: redis.Redis) -> dict[bytes, object]:
+    """Every key in Redis with what it holds."""
+    read = {b"hash": client.hgetall, b"set": client.smembers, b"list": lambda k: client.lrange(k, 0, -1),
+            b"string": client.get}
+    return {k: read[client.type(k)](k) for k in client.keys()}
+
+
+def records_nothing(progress: Progress, jobs: list[tuple[str, str]]) -> list[int]:
+    """Check that what a worker may record of jobs it is delivered (started, then each failed,
+    skipped, finished) leaves Redis as it was after each step; the answers of `started`."""
+    before = contents(progress.r)
+    attempts = progress.started(jobs)
+    steps = [lambda: None] + [lambda c=c, j=j: progress.failed(c, j, "invalid job: steps=0") for c, j in jobs] + \
+        [lambda c=c, j=j: progress.skipped(c, j) for c, j in jobs] + \
+        [lambda: progress.finished(jobs, [1.0] * len(jobs), [(True, True)] * len(jobs))]
+    for step in steps:
+        step()
+        assert contents(progress.r) == before
+    return attempts
+
+
+def test_a_job_of_a_campaign_nobody_submitted_creates_no_key(redis_server: RedisServer) -> None:
+    """A message may name any campaign: started, failed, skipped and finished, its job records
+    nothing, cancelled campaign or not."""
+    client = redis_server.client()
+    client.flushall()
+    progress = Progress(client)
+    assert records_nothing(progress, [("ghost", "a"), ("ghost", "b"), ("other", "c")]) == [NOT_SUBMITTED] * 3
+    assert client.keys() == []
+    progress.cancel("ghost")
+    assert records_nothing(progress, [("ghost", "a")]) == [NOT_SUBMITTED]
+
+
+@pytest.mark.parametrize("window", [None, 10])
+def test_a_job_not_on_its_campaigns_books_adds_no_field(redis_server: RedisServer, window: int | None) -> None:
+    """A known campaign, a job id it never had (NOT_SUBMITTED), or with a window one that is no
+    longer open (NOT_OPEN: done here) or never was: nothing of it is recorded, and the jobs on
+    the books are as they were."""
+    progress = submitted_jobs(redis_server, "books", ["a", "b"], window)
+    client = progress.r
+    assert progress.started([("books", "a"), ("books", "b")]) == [1, 1]
+    progress.finished([("books", "a")], [2.0])
+    progress.cancel("books")
+    strangers = [("books", "never")] + ([("books", "a")] if window else [])
+    assert records_nothing(progress, strangers) == [NOT_SUBMITTED if window is None else NOT_OPEN] * len(strangers)
+    assert progress.started([("books", "b")]) == [2] and client.hget("rf:c:books:attempts", "b") == b"2"
+
+
+def test_an_uncounted_campaigns_attempts_expire_after_their_last_start(redis_server: RedisServer) -> None:
+    """Its attempts hash keeps a field per job started, and no hash for ever: each start
+    renews its expiry (a counted campaign's forgets each job as it ends instead)."""
+    progress = submitted_jobs(redis_server, "ttl", ["a", "b"])
+    client = progress.r
+    assert client.ttl("rf:c:ttl:attempts") == -2  # no hash before a start
+    progress.started([("ttl", "a")])
+    assert ATTEMPTS_TTL - 5 <= client.ttl("rf:c:ttl:attempts") <= ATTEMPTS_TTL
+    client.expire("rf:c:ttl:attempts", 60)
+    progress.started([("ttl", "b")])
+    assert ATTEMPTS_TTL - 5 <= client.ttl("rf:c:ttl:attempts") <= ATTEMPTS_TTL
+
+
+@pytest.mark.parametrize("window", [None, 10])
+def test_transient_failures_are_refunded_within_a_bound_then_count(redis_server: RedisServer,
+                                                                  window: int | None) -> None:
+    """A job whose attempts storage keeps cutting short is refunded `bound` times, then each
+    attempt counts, so a failure that never ends reaches max_attempts; a stopping worker's put
+    back is always refunded; a job failure always counts. A job that ends forgets its refunds,
+    and one never started records none."""
+    progress = submitted_jobs(redis_server, "refunds", ["a", "b", "c"], window)
+    client = progress.r
+    # (the attempt it starts as, its refunds once put back, its attempts counted then)
+    for attempt, refunds, counted in ((1, 1, 0), (1, 2, 0), (1, 3, 1), (2, 4, 2)):
+        assert progress.started([("refunds", "a")]) == [attempt]
+        assert progress.released([("refunds", "a")], "bounded", 2) == [refunds]
+        assert int(client.hget("rf:c:refunds:attempts", "a")) == counted
+    progress.started([("refunds", "b"), ("refunds", "c")])
+    assert progress.released([("refunds", "b")], "refund") == [0] and client.hget("rf:c:refunds:attempts", "b") == b"0"
+    assert progress.released([("refunds", "c")], "count") == [0] and client.hget("rf:c:refunds:attempts", "c") == b"1"
+    assert client.sismember("rf:c:refunds:running", "a") == 0 and REFUNDS_TTL - 5 <= client.ttl("rf:c:refunds:refunds")
+    assert progress.released([("refunds", "never")], "bounded", 2) == [0]
+    assert client.hkeys("rf:c:refunds:refunds") == [b"a"]
+    progress.started([("refunds", "a")])
+    progress.finished([("refunds", "a")])
+    assert not client.exists("rf:c:refunds:refunds")
 
 
 def test_a_running_campaign_has_a_rate_and_an_eta_from_its_first_store(redis_server: RedisServer) -> None:

@@ -26,8 +26,9 @@ import yaml
 from packaging.specifiers import SpecifierSet
 
 from harness.redis_server import free_port
+from renderfarm.connections import sentinels_of
 from renderfarm_cli import parser
-from tests.helpers import check_renderfarm_args
+from tests.helpers import check_renderfarm_args, heredoc, redis_options, sentinel_master
 
 ROOT = Path(__file__).resolve().parent.parent
 INFRA = ROOT / "infra"
@@ -371,6 +372,78 @@ def test_redis_healthcheck_authenticates(tmp_path: Path) -> None:
     finally:
         server.kill()
         server.wait()
+
+
+# -- docker-compose.sentinel.yml: Redis behind Sentinel ---------------------------------------------
+
+SENTINEL_OVERLAY = yaml.safe_load((ROOT / "docker-compose.sentinel.yml").read_text())
+
+
+def overridden(base: object, override: object) -> object:
+    """What `docker compose -f BASE -f OVERRIDE` runs: mappings merged key by key, anything else
+    (a command) replaced by the override's."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        return {**base, **{k: overridden(base[k], v) if k in base else v for k, v in override.items()}}
+    return override
+
+
+def sentinel_farm(password: str) -> dict:
+    """Both files' services, interpolated as compose does with the two secrets set."""
+    env = {"RENDERFARM_REDIS_PASSWORD": password, "RENDERFARM_FLOWER_AUTH": "ops:x"}
+    return interpolate(overridden(COMPOSE, SENTINEL_OVERLAY), env)["services"]
+
+
+def sentinel_names(services: dict) -> list[str]:
+    return sorted(name for name, s in services.items() if "--sentinel" in " ".join(s.get("command", [])))
+
+
+def test_the_sentinel_overlay_needs_the_password_too() -> None:
+    with pytest.raises(MissingVariable, match="^RENDERFARM_REDIS_PASSWORD: set RENDERFARM_REDIS_PASSWORD"):
+        interpolate(SENTINEL_OVERLAY, {"RENDERFARM_FLOWER_AUTH": "ops:x"})
+
+
+def test_the_sentinel_overlay_points_every_farm_service_at_its_sentinels() -> None:
+    """Each service that talks to Redis gets one URL naming every sentinel at its port, the
+    master the sentinels monitor and Redis's password; the rest of its environment is kept."""
+    services = sentinel_farm("pw-sentinel")
+    sentinels = sentinel_names(services)
+    assert len(sentinels) == 3
+    for name in ("worker", "flower", "beat", "producer"):
+        env = environment(services[name])
+        parsed = sentinels_of(env["RENDERFARM_BROKER_URL"])
+        assert parsed is not None and parsed.password == "pw-sentinel", name
+        assert sorted(parsed.hosts) == [(sentinel, 26379) for sentinel in sentinels], name
+        assert parsed.master == "renderfarm" and env["RENDERFARM_VISIBILITY_TIMEOUT"] == "300", name
+        assert all(services[name]["depends_on"][s]["condition"] == "service_healthy" for s in sentinels), name
+        assert service_commands(name, services[name]) == service_commands(name, SERVICES[name])
+    for sentinel in sentinels:
+        config = heredoc(services[sentinel]["command"][2]).replace("$SENTINEL_HOST", sentinel)
+        assert "port 26379" in config.splitlines()
+        assert "sentinel monitor renderfarm redis 6379 2" in config
+        assert "sentinel auth-pass renderfarm pw-sentinel" in config
+        assert f"sentinel announce-ip {sentinel}" in config.splitlines(), "each sentinel announces its own name"
+
+
+def test_the_sentinel_overlay_runs_a_replica_of_redis_and_a_majority_of_sentinels(tmp_path: Path) -> None:
+    services = sentinel_farm("pw-sentinel")
+    primary, before = redis_options(services["redis"]["command"]), redis_options(SERVICES["redis"]["command"])
+    assert {k: v for k, v in primary.items() if k in before} == {**before, "--requirepass": "pw-sentinel"}
+    assert primary["--masterauth"] == "pw-sentinel" and primary["--replica-announce-ip"] == "redis"
+    replica = redis_options(services["redis-replica"]["command"])
+    assert replica["--replicaof"] == "redis 6379" and replica["--replica-announce-ip"] == "redis-replica"
+    assert replica["--requirepass"] == replica["--masterauth"] == "pw-sentinel" and replica["--appendonly"] == "yes"
+    assert environment(services["redis-replica"])["REDISCLI_AUTH"] == "pw-sentinel"  # its healthcheck's
+    declared = set(SENTINEL_OVERLAY["volumes"])
+    sentinels = sentinel_names(services)
+    for name in ["redis-replica", *sentinels]:
+        (volume,) = services[name]["volumes"]
+        assert volume.split(":") == [volume.split(":")[0], "/data"] and volume.split(":")[0] in declared, name
+    (monitor,) = {line for s in sentinels for line in heredoc(services[s]["command"][2]).splitlines()
+                  if line.startswith("sentinel monitor ")}
+    assert len(sentinels) // 2 < int(monitor.split()[-1]) <= len(sentinels), "a majority of the sentinels"
+    config = heredoc(services[sentinels[0]]["command"][2]).replace("$SENTINEL_HOST", sentinels[0])
+    master = sentinel_master(config, "redis", tmp_path)
+    assert (master["name"], master["quorum"], master["down-after-milliseconds"]) == ("renderfarm", 2, 5000)
 
 
 # -- docker-compose.yml: a non-root image -------------------------------------------------------------

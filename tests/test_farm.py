@@ -33,6 +33,7 @@ from harness.farm import (
 from producer.submit import submit
 from renderfarm import deadletters
 from renderfarm.images import check_init_image
+from renderfarm.sources import SourceRoots
 from renderfarm.jobs import JobSpec
 from renderfarm.layout import (
     image_name,
@@ -253,7 +254,7 @@ def test_a_worker_serves_one_lora_set_and_no_other(farm: Farm, bucket: Storage, 
 
 
 def test_an_image_job_whose_source_is_gone_fails_and_the_rest_of_its_batch_renders(
-        farm: Farm, bucket: Storage, tiny_sd: Path, tmp_path: Path) -> None:
+        farm: Farm, bucket: Storage, tiny_sd: Path, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Sources are read ahead, as a job arrives; one that is gone by then fails its jobs for good
     (dead-lettered with the reason), and the rest of the batch, image jobs from the same
     photo at other strengths among them, renders."""
@@ -268,8 +269,8 @@ def test_an_image_job_whose_source_is_gone_fails_and_the_rest_of_its_batch_rende
     status = wait_done(farm.progress, "sources", 6)
     assert (status["done"], status["failed"]) == (3, 3)
     assert_landed_once(bucket, specs[0::2])
-    assert {str(reason) for reason in status["failures"].values()} == {
-        f"invalid job: init_image='{photos[1]}': must be a readable image file (FileNotFoundError)"}
+    roots = SourceRoots.parse([str(tmp_path_factory.getbasetemp())])
+    assert {str(reason) for reason in status["failures"].values()} == {f"invalid job: init_image='{photos[1]}': {roots.rule}"}
     letters = deadletters.DeadLetters(farm.progress.r)
     queue = queue_name(str(tiny_sd), "float32")
     reasons = [entry["reason"] for entry in letters.entries(queue, limit=1000) if "gone.png" in entry["reason"]]

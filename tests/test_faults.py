@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import base64
 import copy
+import dataclasses
+import hashlib
 import json
+import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -24,6 +29,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
+from PIL import Image
 from celery.result import AsyncResult
 
 from harness.farm import (
@@ -40,6 +46,7 @@ from renderfarm import deadletters
 from renderfarm.jobs import JobSpec
 from renderfarm.layout import image_name, sidecar_name
 from renderfarm.progress import Progress
+from renderfarm.sources import SourceRoots
 from renderfarm.queue import (
     TASK_NAME,
     job_message,
@@ -143,6 +150,14 @@ def job_field(**fields: Any) -> Callable[[dict], None]:
     return mutate
 
 
+def text_body(text: str) -> Callable[[dict], None]:
+    """The body as JSON text (no body_encoding), as the farm's producer sends it."""
+    def mutate(m: dict) -> None:
+        del m["properties"]["body_encoding"]
+        m["body"] = text
+    return mutate
+
+
 def setter(*path: str, value: Any = None, delete: bool = False) -> Callable[[dict], None]:
     def mutate(m: dict) -> None:
         target = m
@@ -175,13 +190,14 @@ ENVELOPE: dict[str, tuple[Callable[[dict], None] | bytes, str]] = {
     "pickle": (setter("content-type", value="application/x-python-serialize"),
                "content-type='application/x-python-serialize'"),
     "content-encoding-binary": (setter("content-encoding", value="binary"), "content-encoding='binary'"),
-    "body-bad-json": (with_body(b"{not json"), "body='{not json': must be valid JSON"),
+    "body-bad-json": (with_body(b"{not json"), "body='{not json': must be JSON that kombu decodes"),
     "body-object": (with_body(b'{"a": 1}'), "body={'a': 1}: must be Celery's [args, kwargs, embed]"),
     "body-two-items": (with_body(b"[[], {}]"), "body=[[], {}]: must be Celery's [args, kwargs, embed]"),
     "kwargs-list": (with_body(b"[[], [1], {}]"), "body.kwargs=[1]: must be a JSON object"),
     "callbacks": (with_body(b'[[], {}, {"callbacks": [{"task": "os.system"}]}]'), "body.embed.callbacks"),
     "body-not-utf8": (with_body(b"\xff\xfe\xfd"), "must be UTF-8"),
-    "body-huge-int": (with_body(b'[[], {"seed": ' + b"9" * 5000 + b"}, {}]"), "must be valid JSON (ValueError"),
+    "body-huge-int": (with_body(b'[[], {"seed": ' + b"9" * 5000 + b"}, {}]"),
+                      "must be JSON that kombu decodes (ValueError: Exceeds"),
     "properties-missing": (setter("properties", delete=True), "properties=None: must be a JSON object"),
     "delivery-tag-int": (setter("properties", "delivery_tag", value=12), "properties.delivery_tag=12"),
     "delivery-info-missing": (setter("properties", "delivery_info", delete=True), "properties.delivery_info=None"),
@@ -191,10 +207,24 @@ ENVELOPE: dict[str, tuple[Callable[[dict], None] | bytes, str]] = {
     "retries-huge": (setter("headers", "retries", value=10**400), "headers.retries=<integer of"),
     "timelimit-three": (setter("headers", "timelimit", value=[1, 2, 3]), "headers.timelimit=[1, 2, 3]"),
     "kwargsrepr-object": (setter("headers", "kwargsrepr", value={"x": 1}), "headers.kwargsrepr={'x': 1}"),
-    "not-json": (b"\x00\x01 garbage", "message=b'\\x00\\x01 garbage': must be valid JSON"),
+    "not-json": (b"\x00\x01 garbage", "message=b'\\x00\\x01 garbage': must be JSON that kombu decodes"),
     "json-list": (b"[1, 2, 3]", "message=[1, 2, 3]: must be a JSON object"),
-    "nested": (b"[" * 100_000 + b"]" * 100_000, "must be valid JSON (RecursionError"),
+    "nested": (b"[" * 100_000 + b"]" * 100_000, "must be JSON that kombu decodes (RecursionError"),
     "two-megabytes": (b"x" * (2 << 20), "must be at most 1048576 bytes"),
+    # kombu's JSON object hook (kombu.utils.json) raises on these, where Celery would log the
+    # message and acknowledge it: refused at the door, so each gets its dead letter
+    "body-unknown-type": (job_field(prompt={"__type__": "nope", "__value__": 1}),
+                          "must be JSON that kombu decodes (ValueError: ('Unsupported type', <class 'type'>, "
+                          "{'__type__': 'nope'"),
+    "body-bad-datetime": (job_field(prompt={"__type__": "datetime", "__value__": "not a date"}),
+                          "(ValueError: Invalid isoformat string: 'not a date')"),
+    "header-unknown-type": (setter("headers", "rf_note", value={"__type__": "gone", "__value__": 1}),
+                            "{'__type__': 'gone', '__value__': 1})"),
+    # kombu's Message encodes a text body to UTF-8 before it decodes it
+    "text-body-surrogate": (text_body('[[], {"prompt": "\ud800"}, {}]'),
+                            "must be valid Unicode (surrogates not allowed at 17)"),
+    "compressed": (setter("headers", "compression", value="application/x-gzip"),
+                   "headers.compression='application/x-gzip': must be null (render jobs are sent uncompressed)"),
 }
 JOB = {
     "guidance-400-digits": (job_field(guidance_scale=10**400), "guidance_scale=<integer of 1329 bits>: must be finite"),
@@ -213,6 +243,14 @@ JOB = {
     "width-odd": (job_field(width=100), "width=100: must be a multiple of 16"),
     "scheduler-unknown": (job_field(scheduler="heun"), "scheduler='heun': must be one of"),
     "positional": (lambda m: m.update(body=body(["a fox"], {}, {})), "args=['a fox']: a job has keyword fields only"),
+    # a well-formed kombu object: the door and Celery decode it to a UUID, which the contract refuses
+    "prompt-uuid": (job_field(prompt={"__type__": "uuid", "__value__": {"hex": "12345678" * 4}}),
+                    "prompt=UUID('12345678-1234-5678-1234-567812345678'): must be a string"),
+    # a valid job its campaign never sent: refused, and nothing of the campaign is written
+    "never-submitted": (job_field(seed=123_456), "campaign='hostile-bad': never sent this job"),
+    # a message naming another queue: its letter is kept in the queue it was popped from
+    "routing-key-elsewhere": (lambda m: (setter("properties", "delivery_info", "routing_key", value="x" * 200_000)(m),
+                                         job_field(steps=0)(m)), "steps=0: must be in 1..500"),
 }
 
 
@@ -274,6 +312,36 @@ def test_hostile_messages_are_dead_lettered_with_reasons_and_every_good_job_land
         wait_for(lambda res=result: res.state == "FAILURE", 30, f"{kind} to fail")
         assert expected in str(result.result), (kind, result.result)
     assert r.hlen("unacked") == 0 and queued(r, model) == 0
+    assert set(letters.counts()) == {queue} and r.keys("rf:c:hostile-bad:*") == []
+    assert max(len(name) for name in r.keys("*")) < 1000  # no key named from a message
+
+
+def test_the_door_refuses_each_hostile_envelope_and_decodes_as_kombu_does(redis_server: RedisServer) -> None:
+    """Each ENVELOPE kind is refused by worker.envelope with its reason, no worker needed; each
+    JOB kind passes it (the job contract refuses it later). The door's decoder is the one kombu
+    decodes JSON bodies and unacked records with, so a kombu object in a job's fields reaches
+    the contract as kombu makes it: a UUID, not a string."""
+    import kombu.transport.redis
+    import kombu.utils.json
+    from kombu.serialization import registry
+
+    from renderfarm.jobs import JobError, parse_job
+    from worker.envelope import Rejected, open_envelope
+
+    assert registry._decoders["application/json"] is kombu.utils.json.loads is kombu.transport.redis.loads
+    template = real_message(farm_app(redis_server.url), redis_server.client(),
+                            JobSpec(prompt="a door", model="some/model", seed=1, campaign="door"))
+    for kind, (mutation, expected) in ENVELOPE.items():
+        with pytest.raises(Rejected) as refused:
+            open_envelope(hostile(template, mutation, kind))
+        assert expected in str(refused.value), (kind, str(refused.value)[:300])
+    for kind, (mutation, _) in JOB.items():
+        assert open_envelope(hostile(template, mutation, kind))["headers"]["id"] == kind
+    payload = open_envelope(hostile(template, JOB["prompt-uuid"][0], "prompt-uuid"))
+    kwargs = kombu.utils.json.loads(base64.b64decode(payload["body"]))[1]
+    assert kwargs["prompt"] == uuid.UUID("12345678" * 4)
+    with pytest.raises(JobError, match=re.escape(JOB["prompt-uuid"][1])):
+        parse_job(kwargs)
 
 
 def test_dead_letters_can_be_listed_requeued_and_purged(redis_server: RedisServer, tiny_sd: Path,
@@ -305,6 +373,153 @@ def test_dead_letters_can_be_listed_requeued_and_purged(redis_server: RedisServe
     pipe.execute()
     assert main(["deadletters", *broker, "--purge", "--queue", queue]) == 0
     assert deadletters.DeadLetters(r).counts() == {}
+
+
+def test_a_requeue_moves_only_the_letters_kept_when_it_started(redis_server: RedisServer) -> None:
+    """A worker refuses each requeued message again and dead-letters it anew (here before the
+    requeue reads its next letter): the requeue still moves the letters it found, each once,
+    and returns; the new letters wait for the next requeue."""
+    r = redis_server.client()
+    r.flushall()
+    queue = queue_name("some/model", "float32")
+    pipe = r.pipeline()
+    for n in range(20):
+        deadletters.add(pipe, queue, "message rejected: x", json.dumps({"n": n}).encode())
+    pipe.execute()
+    letters = deadletters.DeadLetters(r)
+    move, moved = letters._requeue, []
+
+    def refused_again(keys: list[str], args: list[Any]) -> int:
+        outcome = move(keys=keys, args=args)
+        if outcome == 1:  # the worker takes the message and refuses it again
+            message = r.rpop(priority_list(queue, redis_priority(None)))
+            moved.append(json.loads(message)["n"])
+            assert len(moved) <= 40, "the requeue keeps taking the letters of its own requeued messages"
+            again = r.pipeline()
+            deadletters.add(again, queue, "message rejected: again", message)
+            again.execute()
+        return outcome
+
+    letters._requeue = refused_again
+    assert letters.requeue(queue) == (20, 0)
+    assert moved == list(range(20))
+    assert [entry["reason"] for entry in letters.entries(queue)] == ["message rejected: again"] * 20
+
+
+# --------------------------------------------------------------------------- what a job names
+
+
+def image_job(spec: JobSpec, ref: str, data: bytes | None = None) -> JobSpec:
+    """An image job naming `ref`, with the sha256 of `data` (of nothing readable: any digest)."""
+    return dataclasses.replace(spec, init_image=ref, init_image_sha256=hashlib.sha256(data or b"").hexdigest(),
+                               strength=0.5, scheduler="euler", width=64, height=64)
+
+
+def photo(path: Path, colour: tuple[int, int, int]) -> bytes:
+    Image.new("RGB", (64, 64), colour).save(path)
+    return path.read_bytes()
+
+
+@pytest.mark.farm
+def test_sources_a_job_names_cannot_freeze_the_worker_nor_be_read_outside_its_roots(
+        start_worker: Callable[..., WorkerProcess], proxy: GcsProxy, tiny_sd: Path, tmp_path: Path,
+        redis_server: RedisServer) -> None:
+    """Image jobs naming a device, a pipe in the source roots, a file outside them and a missing
+    one, among text and image jobs that are fine, and one naming an object whose read storage
+    holds: each bad one is refused with its reason (outside the roots and missing in the same
+    words), the held one fails its attempts at its read's deadline (refunded once, then counted)
+    without holding up its batch, everything else lands once, and the worker is the same
+    process throughout."""
+    model = model_copy(tiny_sd, tmp_path, "sources")
+    r, app, progress = redis_server.client(), farm_app(redis_server.url), Progress(redis_server.client())
+    roots, private = tmp_path / "source-root", tmp_path / "private"
+    roots.mkdir(), private.mkdir()
+    good_bytes, secret_bytes = photo(roots / "photo.png", (200, 60, 0)), photo(private / "secret.png", (0, 0, 200))
+    os.mkfifo(roots / "pipe")
+    bucket().put("sources/held.png", good_bytes)
+    held = proxy.add(Rule(r"^sources/held\.png$", hold=True, method="GET"))
+    worker = start_worker(model, "sources", env={"RENDERFARM_MAX_REFUNDS": "1"},
+                          extra=("--source-root", str(roots), "--source-root", f"gs://{BUCKET}/sources",
+                                 "--source-seconds", "2", "--precompile", "64x64@3,64x64@3:euler:img2img"))
+    pid = worker.proc.pid
+    base = jobs(model, "sources", 16, seed=500)
+    good = base[:8] + [image_job(spec, str(roots / "photo.png"), good_bytes) for spec in base[8:12]]
+    bad = {"/dev/zero": image_job(base[12], "/dev/zero"), str(roots / "pipe"): image_job(base[13], str(roots / "pipe")),
+           str(private / "secret.png"): image_job(base[14], str(private / "secret.png"), secret_bytes),
+           str(roots / "gone.png"): image_job(base[15], str(roots / "gone.png"))}
+    slow = image_job(jobs(model, "sources-held", 1, seed=900)[0], f"gs://{BUCKET}/sources/held.png", good_bytes)
+    enqueue(app, progress, [slow])
+    enqueue(app, progress, [*good, *bad.values()])
+    status = wait_done(progress, "sources", 16)
+    assert held.matched >= 1 and progress.status("sources-held")["failed"] == 0  # its reads still held
+    assert (status["done"], status["failed"]) == (12, 4)
+    assert_exactly_once(good)
+    rule = SourceRoots.parse([str(roots), f"gs://{BUCKET}/sources"]).rule
+    assert status["failures"] == {spec.job_id: f"invalid job: init_image={ref!r}: {rule}" for ref, spec in bad.items()}
+
+    held_status = wait_done(progress, "sources-held", 1, timeout=120)
+    reason = held_status["failures"][slow.job_id]
+    assert reason.startswith("source: SourceTimeout: init_image='gs://faults/sources/held.png': not read within 2 s")
+    assert reason.endswith("(after 2 attempts and 1 retries not counted)"), reason
+    assert held.matched == 3 and attempts(r, [slow]) == [2]  # read three times: refunded once, counted twice
+    held.release()
+    letters = [entry["job_id"] for entry in deadletters.DeadLetters(r).entries(queue_name(str(model), "float32"))]
+    assert sorted(letters) == sorted([slow.job_id, *(spec.job_id for spec in bad.values())])
+    assert worker.proc.poll() is None and worker.proc.pid == pid
+    assert "this worker takes no image jobs" not in worker.log.read_text()
+    assert f"image jobs' sources are read from {roots}, gs://{BUCKET}/sources/ only" in worker.log.read_text()
+
+
+@pytest.mark.farm
+def test_every_failure_is_classified_once_and_none_goes_round_for_ever(
+        start_worker: Callable[..., WorkerProcess], proxy: GcsProxy, tiny_sd: Path, tmp_path: Path,
+        redis_server: RedisServer) -> None:
+    """A source the kernel cannot read (/proc/self/mem: EIO) and stores that storage forbids
+    (403 on every write of a campaign) are permanent: each attempt counts, and after the 2
+    allowed each job fails for good, dead-lettered; the good jobs land meanwhile. Once the
+    cause is fixed, a requeue of the dead letters renders the forbidden campaign."""
+    model = model_copy(tiny_sd, tmp_path, "classified")
+    r, app, progress = redis_server.client(), farm_app(redis_server.url), Progress(redis_server.client())
+    queue = queue_name(str(model), "float32")
+    forbidden = proxy.add(Rule(r"^out/forbidden/", status=403, method="POST"))
+    worker = start_worker(model, "classified", extra=("--source-root", "/proc",
+                                                      "--precompile", "64x64@3,64x64@3:euler:img2img"))
+    unreadable = image_job(jobs(model, "classified", 1, seed=700)[0], "/proc/self/mem")
+    good = jobs(model, "classified", 8, seed=710)
+    refused = jobs(model, "forbidden", 8, seed=720)
+    enqueue(app, progress, [unreadable, *good, *refused])
+    status = wait_done(progress, "classified", 9)
+    assert (status["done"], status["failed"]) == (8, 1)
+    assert_exactly_once(good)
+    reason = status["failures"][unreadable.job_id]
+    assert reason.startswith("source: OSError: [Errno 5] Input/output error") and reason.endswith("(after 2 attempts)")
+    forbidden_status = wait_done(progress, "forbidden", 8)
+    assert forbidden_status["failed"] == 8 and attempts(r, refused) == [2] * 8
+    assert all(why.startswith("storage: Forbidden: 403") and why.endswith("(after 2 attempts)")
+               for why in forbidden_status["failures"].values()), forbidden_status["failures"]
+    letters = deadletters.DeadLetters(r)
+    assert sorted(entry["job_id"] for entry in letters.entries(queue)) == sorted(
+        [unreadable.job_id, *(spec.job_id for spec in refused)])
+
+    proxy.remove(forbidden)  # the cause fixed: a write permission granted
+    assert letters.requeue(queue) == (9, 0)
+    wait_for(lambda: progress.status("forbidden")["done"] == 8, 120, "the requeued jobs to render")
+    assert_exactly_once(refused)
+    assert worker.proc.poll() is None
+
+
+def test_a_worker_that_cannot_write_its_output_refuses_to_start(gcs: GcsEmulator, tiny_sd: Path,
+                                                                redis_server: RedisServer) -> None:
+    """Before it loads a model, a worker writes a small file to its output and reads it back:
+    a missing bucket or a folder it cannot make is refused at start-up, naming the output."""
+    for out, error in (("gs://no-such-bucket-for-renders/out", "NotFound"), ("/proc/renderfarm-out", "")):
+        done = subprocess.run([sys.executable, "-m", "renderfarm_cli", "worker", "--model", str(tiny_sd), "--out", out,
+                               "--broker", redis_server.url, "--precompile", "64x64@3"],
+                              capture_output=True, text=True, timeout=120, env={**os.environ, **ENV})
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert f"renderfarm: error: out={out!r}: must be storage this worker can write and read back ({error}" \
+            in done.stderr, done.stderr[-2000:]
+        assert "loaded in" not in done.stderr + done.stdout
 
 
 # --------------------------------------------------------------------------- exactly once
@@ -361,20 +576,22 @@ def test_store_failures_are_requeued_never_leaked_and_jobs_are_told_apart_by_cam
         redis_server: RedisServer) -> None:
     model = model_copy(tiny_sd, tmp_path, "leak")
     r, app, progress = redis_server.client(), farm_app(redis_server.url), Progress(redis_server.client())
+    # Storage answering 403 is a permanent failure (worker/outcomes.py): each counts an attempt,
+    # the job goes back on its queue, and with 3 attempts allowed every job below lands.
     # The same spec in two campaigns in one batch; the first campaign's first upload fails.
     twin = jobs(model, "twin-a", 1, seed=77)[0]
     twins = [twin, JobSpec(**{**twin.to_dict(), "campaign": "twin-b"})]
     fillers = jobs(model, "twin-b", 6, seed=200)
     failing_png = proxy.add(Rule(r"^out/twin-a/", status=403, times=1))
-    # Two batches whose manifest parts cannot be written at first (403: not retried).
+    # Two batches whose manifest parts cannot be written at first (403: not retried by storage).
     failing_manifest = proxy.add(Rule(r"^out/leak/manifest/", status=403, times=2))
     # A batch whose manifest part lands but whose answer is lost: the worker hears 403 and puts
-    # the jobs back, its attempts refunded; they come back and find themselves stored.
+    # the jobs back; they come back and find themselves stored.
     lost_answer = proxy.add(Rule(r"^out/landed/manifest/", status=403, times=1, landed=True))
     enqueue(app, progress, twins + fillers)
     leak = enqueue(app, progress, jobs(model, "leak", 16, seed=300))
     landed = enqueue(app, progress, jobs(model, "landed", 8, seed=400))
-    start_worker(model, "leaky")
+    start_worker(model, "leaky", env={"RENDERFARM_MAX_ATTEMPTS": "3"})
     for campaign, n in (("twin-a", 1), ("twin-b", 7), ("leak", 16), ("landed", 8)):
         status = wait_done(progress, campaign, n)
         assert (status["done"], status["failed"]) == (n, 0), campaign
@@ -383,7 +600,8 @@ def test_store_failures_are_requeued_never_leaked_and_jobs_are_told_apart_by_cam
     assert_exactly_once([twins[1], *fillers])
     assert_exactly_once(leak)
     assert_exactly_once(landed)  # its manifest lines once, though the worker heard they failed
-    assert attempts(r, [twins[1]]) == [1] and attempts(r, [twins[0]]) == [1]  # storage failures do not count
+    assert attempts(r, [twins[1]]) == [1] and attempts(r, [twins[0]]) == [2]  # told apart; the 403 counted
+    assert set(attempts(r, landed)) == {2}
     wait_for(lambda: r.hlen("unacked") == 0, 30, "every message settled")  # none held forever
 
 

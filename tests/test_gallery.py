@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import shutil
@@ -19,6 +20,7 @@ from renderfarm import gallery
 from renderfarm.images import check_init_image
 from renderfarm.jobs import parse_job
 from renderfarm.layout import index_name, manifest_name, preview_name, thumbnail_name
+from renderfarm.sources import SourceRoots
 from renderfarm.storage import Storage, open_storage
 from renderfarm_cli import main
 from harness.fault_proxies import GcsProxy, Rule
@@ -243,3 +245,51 @@ def test_an_image_job_shows_its_source_beside_the_result(sd_model: Any, local: S
     thumb = np.asarray(Image.open(io.BytesIO(local.get(f"c9/thumbs/source-{fox}.jpg"))).convert("RGB"))
     assert thumb.shape[:2] == (64, 96) and close(thumb[30, 50], (250, 120, 0))
     assert f'href="{records[3]["job_id"]}.png"' in page and "strength 0.5" in page
+
+
+def test_a_source_is_published_only_if_it_is_the_image_its_line_names(
+        sd_model: Any, local: Storage, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A line names its source by path and sha256: the file at that path when it is not those
+    bytes (a line written to copy another file out), or when the line has no digest, is not
+    published; the gallery is built without it."""
+    fox, secret = tmp_path / "fox.png", tmp_path / "secret.png"
+    for path, colour in ((fox, (250, 120, 0)), (secret, (0, 0, 250))):
+        Image.new("RGB", (96, 64), colour).save(path)
+    job = {"prompt": "p", "model": sd_model.ref, "steps": STEPS, "width": 64, "height": 64, "campaign": "c10",
+           "strength": 0.5}
+    made_from_fox = check_init_image(parse_job({**job, "seed": 1, "init_image": str(fox)}), 64)
+    names_secret = dataclasses.replace(made_from_fox, init_image=str(secret))  # the fox's sha256
+    undigested = parse_job({**job, "seed": 2, "init_image": str(secret)})
+    assert undigested.init_image_sha256 is None
+    store_jobs(local, sd_model, [names_secret, undigested], COLOURS[:2])
+    with caplog.at_level("WARNING", logger="renderfarm.gallery"):
+        assert gallery.refresh(local, "c10").total == 2
+
+    assert [name for name in local.list("c10/thumbs/") if "source-" in name] == []
+    page = local.get(index_name("c10")).decode()
+    assert page.count("<figure") == 2 and 'class="image-job"' not in page and "thumbs/source-" not in page
+    logged = caplog.text
+    assert (f"init_image={str(secret)!r}: is not the image its line's init_image_sha256 names "
+            f"({made_from_fox.init_image_sha256})") in logged, logged
+    assert (f"job {undigested.job_id} names init_image {str(secret)!r} without a valid init_image_sha256"
+            in logged), logged
+
+
+def test_a_workers_gallery_reads_sources_only_under_its_source_roots(
+        sd_model: Any, local: Storage, tmp_path: Path) -> None:
+    """A worker's refresh reads an image job's source as the worker reads sources: only under
+    its source roots, so a manifest line cannot make it publish a file from elsewhere."""
+    inside, outside = tmp_path / "sources", tmp_path / "elsewhere"
+    inside.mkdir(), outside.mkdir()
+    job = {"prompt": "p", "model": sd_model.ref, "steps": STEPS, "width": 64, "height": 64, "strength": 0.5}
+    specs = []
+    for n, folder in enumerate((inside, outside)):
+        Image.new("RGB", (64, 64), (40 * n, 200, 0)).save(folder / "photo.png")
+        specs.append(check_init_image(parse_job({**job, "seed": n, "campaign": f"roots{n}",
+                                                 "init_image": str(folder / "photo.png")}), 64))
+    roots = SourceRoots.parse([str(inside)])
+    for n, spec in enumerate(specs):
+        store_jobs(local, sd_model, [spec], COLOURS[:1])
+        gallery.refresh(local, f"roots{n}", roots=roots)
+    published = [[name for name in local.list(f"roots{n}/thumbs/") if "source-" in name] for n in range(2)]
+    assert published == [[f"roots0/thumbs/source-{specs[0].init_image_sha256}.jpg"], []]

@@ -110,7 +110,8 @@ def test_bad_image_and_mask_fields_are_refused_naming_field_and_rule(fields: dic
 
 def test_a_missing_or_non_image_file_is_refused_at_the_producer(tmp_path: Path) -> None:
     (tmp_path / "notes.png").write_text("not an image")
-    for name, rule in (("absent.png", "readable image file"), ("notes.png", "an image PIL can read")):
+    for name, rule in (("absent.png", r"readable regular file or object \(FileNotFoundError\)"),
+                       ("notes.png", "an image PIL can read")):
         job = parse_job({"prompt": "a fox", "model": "m", "seed": 1, "init_image": str(tmp_path / name)})
         with pytest.raises(JobError, match=rule) as err:
             check_init_image(job, 64)

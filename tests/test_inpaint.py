@@ -116,7 +116,8 @@ def test_a_missing_misshapen_or_non_image_mask_is_refused_at_the_producer(tmp_pa
     (tmp_path / "notes.png").write_text("not a mask")
     PIL.Image.new("L", (64, 48), 255).save(tmp_path / "wide.png")
     PIL.Image.new("L", (32, 32), 255).save(tmp_path / "half.png")
-    for name, rule in (("absent.png", "readable image file"), ("notes.png", "an image PIL can read"),
+    for name, rule in (("absent.png", r"readable regular file or object \(FileNotFoundError\)"),
+                       ("notes.png", "an image PIL can read"),
                        ("wide.png", r"is 64x48: it must have its init image's shape, 64x64")):
         job = parse_job({"prompt": "a fox", "model": "m", "seed": 1, "init_image": str(IMAGE),
                          "mask_image": str(tmp_path / name)})

@@ -152,3 +152,20 @@ def test_gcs_reader_sees_a_part_from_a_host_whose_clock_is_behind(gcs: GcsEmulat
     lines, cursor = manifest.read("c", cursor)
     assert ids(lines) == ["bb"]
     assert manifest.read("c", cursor)[0] == []
+
+
+def test_a_manifest_planted_as_a_link_is_refused_never_written_through(tmp_path: Path) -> None:
+    """A `manifest.jsonl` that is a symlink (or a campaign's folder swapped for one) would make the
+    worker append its lines to whatever the link names: refused, the target unchanged."""
+    storage = open_storage(str(tmp_path / "root"))
+    target = tmp_path / "elsewhere.txt"
+    target.write_bytes(b"keep me\n")
+    manifest = FileManifest(storage)
+    manifest.append("c", "manifest.jsonl", [line("a1")])
+    (tmp_path / "root" / "c" / "manifest.jsonl").unlink()
+    (tmp_path / "root" / "c" / "manifest.jsonl").symlink_to(target)
+    for touch in (lambda: manifest.append("c", "manifest.jsonl", [line("b2")]),
+                  lambda: manifest.holds("c", "manifest.jsonl", "b2"), lambda: manifest.read("c")):
+        with pytest.raises(ValueError, match="is a symlink: a campaign's folders must be real folders"):
+            touch()
+    assert target.read_bytes() == b"keep me\n"

@@ -21,7 +21,7 @@ from harness.redis_server import RedisServer
 from producer import WaitTimeout, campaign_status, submit, wait_for
 from producer.submit import enqueue_jobs
 from renderfarm.jobs import JobError, JobSpec, parse_job
-from renderfarm.progress import QUEUES, Progress
+from renderfarm.progress import FAILURES_SHOWN, QUEUES, Progress
 from renderfarm.queue import (
     ENQUEUED_HEADER,
     TASK_NAME,
@@ -257,6 +257,53 @@ def test_status_reports_counts_failures_and_queues_nobody_consumes(cli: Cli, bro
     code, out, _ = cli("status", "st", "--broker", broker)
     assert code == 0
     assert f"warning: {warning}" in out and f"{specs[1].job_id}: out of memory" in out
+
+
+def commands(server: RedisServer, *names: str) -> int:
+    """How many of these commands Redis has run (a script's own calls count under their names)."""
+    stats = server.client().info("commandstats")
+    return sum(stats.get(f"cmdstat_{name}", {}).get("calls", 0) for name in names)
+
+
+def test_status_counts_every_failure_and_reads_only_a_sample(cli: Cli, broker: str, redis_server: RedisServer,
+                                                             progress: Progress) -> None:
+    """A campaign with more failures than status shows: the count is every one (HLEN), the
+    reasons a sample of at most FAILURES_SHOWN (never the whole hash, which a followed run
+    would read every second), and `--failures` streams them all. `submit --wait` counts its
+    own failed jobs in Redis, whichever of its set and the failed hash is larger."""
+    ids = [f"job-{n:04d}" for n in range(FAILURES_SHOWN * 3 + 7)]
+    progress.submitted("many", ids, "rf.q")
+    for job_id in ids:
+        progress.failed("many", job_id, f"out of memory at {job_id}")
+    whole = commands(redis_server, "hgetall", "hkeys", "hvals")
+    report = progress.status("many")
+    assert commands(redis_server, "hgetall", "hkeys", "hvals") - whole == 3  # times, counts, scores
+    assert (report["failed"], len(report["failures"]), report["failures_cut"]) == (len(ids), FAILURES_SHOWN, True)
+    assert all(reason == f"out of memory at {job_id}" and job_id in ids
+               for job_id, reason in report["failures"].items())
+    assert report["queued"] == 0 and report["finished"]
+    progress.submitted("few", ["a"], "rf.q")
+    progress.failed("few", "a", "out of memory")
+    few = progress.status("few")
+    assert (few["failed"], few["failures"], few["failures_cut"]) == (1, {"a": "out of memory"}, False)
+
+    code, out, _ = cli("status", "many", "--broker", broker)
+    assert code == 0 and f"failures ({len(ids)}):" in out
+    assert f"... and {len(ids) - 10} more (renderfarm status many --failures lists all)" in out
+    code, out, _ = cli("status", "many", "--failures", "--broker", broker)
+    assert code == 0 and sorted(out.splitlines()) == [f"{job_id}: out of memory at {job_id}" for job_id in ids]
+    code, out, _ = cli("status", "many", "--failures", "--json", "--broker", broker)
+    assert sorted(json.loads(line)["job_id"] for line in out.splitlines()) == ids
+
+    for jobs in (["a lighthouse"], [f"lighthouse {n}" for n in range(len(ids) + 1)]):  # fewer, more than failed
+        submission = submit(jobs, model="m", campaign="many", seed=0, broker=broker)
+        mine = [JobSpec(prompt=p, model="m", seed=i, campaign="many").job_id for i, p in enumerate(jobs)]
+        progress.failed("many", mine[0], "bad luck")
+        progress.finished([("many", job_id) for job_id in mine[1:]])
+        whole = commands(redis_server, "hgetall", "hkeys", "hvals", "smismember")
+        assert wait_for(submission, timeout=10, progress=False, poll=0.05) == \
+            {"done": len(jobs) - 1, "failed": 1, "cancelled": 0}
+        assert commands(redis_server, "hgetall", "hkeys", "hvals", "smismember") == whole
 
 
 def test_status_of_a_finished_campaign_shows_its_totals(cli: Cli, broker: str, progress: Progress) -> None:

@@ -70,6 +70,10 @@ def test_scores_are_named_from_the_contract_in_its_order() -> None:
     ("not (clip < 10 or nsfw)", {"clip": 12.0, "nsfw": False}, True),
     ("nsfw == false", {"nsfw": False}, True),
     ("aesthetic >= 5", {"clip": 40.0}, None),  # the score it reads is missing
+    ("clip > -1", {"clip": 0.0}, True),
+    ("clip > -1", {"clip": -2.0}, False),
+    ("aesthetic >= -0.25", {"aesthetic": -0.25}, True),
+    ("-2 < clip < - 1", {"clip": -1.5}, True),  # a space after the minus is only a space
     ("aesthetic >= 5", None, None),
 ])
 def test_an_expression_passes_what_its_scores_say(text: str, scores: Any, verdict: bool | None) -> None:
@@ -84,11 +88,16 @@ def test_an_expression_passes_what_its_scores_say(text: str, scores: Any, verdic
     ("clip + 1 > 3", "compares 'clip + 1'"),
     ("clip > 'x'", "holds \"'x'\""),
     ("", "must compare nsfw, clip and aesthetic"),
+    ("clip > --1", "negates '-1': only a number may be negated, as in 'clip > -1'"),
+    ("-clip < 3", "negates 'clip': only a number may be negated"),
+    ("clip > -true", "negates 'true': only a number may be negated"),
+    ("clip > -'x'", "negates \"'x'\": only a number may be negated"),
 ])
 def test_an_expression_that_is_not_one_is_refused_naming_the_rule(text: str, rule: str) -> None:
     with pytest.raises(JobError) as caught:
         Expression(text)
     assert caught.value.field == "where" and rule in caught.value.rule, caught.value.rule
+    assert caught.value.value == text and str(caught.value).startswith(f"where={text!r}: "), str(caught.value)
 
 
 def test_near_duplicates_are_what_a_brute_force_in_order_finds() -> None:

@@ -324,6 +324,113 @@ def test_a_symlinked_campaign_folder_is_refused(tmp_path):
     assert s.get("c2/x.png") == b"x"
 
 
+NO_LINKS = "is a symlink: a campaign's folders must be real folders, and its files regular files, not symlinks"
+
+
+def _elsewhere(tmp_path):
+    """A folder outside the root, and a file there that no write through the root may touch."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "victim").write_bytes(b"not yours")
+    return elsewhere
+
+
+def test_a_symlinked_folder_inside_a_campaign_is_refused(tmp_path):
+    s = LocalStorage(tmp_path / "root")
+    elsewhere = _elsewhere(tmp_path)
+    s.put("c/x.png", b"x")
+    (s.root / "c" / "thumbs").symlink_to(elsewhere)
+    for write in (lambda: s.put("c/thumbs/a.jpg", b"thumb"),
+                  lambda: s.replace_unless("c/thumbs/a.jpg", b"thumb", "image/jpeg", lambda stored: False),
+                  lambda: s.put("c/thumbs/new/a.jpg", b"thumb")):
+        with pytest.raises(ValueError) as caught:
+            write()
+        assert str(caught.value) == f"{s.root / 'c' / 'thumbs'} {NO_LINKS}"
+    for look in (lambda: s.get("c/thumbs/victim"), lambda: s.exists("c/thumbs/victim"),
+                 lambda: s.list("c/thumbs/"), lambda: s.url("c/thumbs/victim")):
+        with pytest.raises(ValueError, match=NO_LINKS):
+            look()
+    assert sorted(os.listdir(elsewhere)) == ["victim"] and (elsewhere / "victim").read_bytes() == b"not yours"
+    assert list(s.list("c/")) == ["c/x.png"] and list(s.list("")) == ["c/x.png"]  # not followed, not listed
+
+
+def test_a_campaign_folder_swapped_for_a_link_after_a_write_is_refused(tmp_path):
+    """Each operation looks at every folder again: having written through one once proves
+    nothing about it now."""
+    s = LocalStorage(tmp_path / "root")
+    elsewhere = _elsewhere(tmp_path)
+    s.put("c/x.png", b"x")
+    s.put("c/y.png", b"y")  # through the folder as it is now
+    (s.root / "c").rename(tmp_path / "moved")
+    (s.root / "c").symlink_to(elsewhere)
+    with pytest.raises(ValueError, match=NO_LINKS):
+        s.put("c/victim", b"overwritten")
+    assert sorted(os.listdir(elsewhere)) == ["victim"] and (elsewhere / "victim").read_bytes() == b"not yours"
+
+
+def test_links_planted_at_a_writes_temporary_and_final_names_are_never_followed(tmp_path):
+    """The old temporary name, `.rf-tmp-NAME.THREADID`, could be guessed: links planted there
+    (for every thread id this host could give a writer of this process) and at the final name
+    are replaced or passed by, and the file they point at keeps its bytes."""
+    s = LocalStorage(tmp_path / "root")
+    elsewhere = _elsewhere(tmp_path)
+    victim = elsewhere / "victim"
+    s.put("c/other.png", b"o")
+    folder = s.root / "c"
+    ids = {threading.get_native_id(), *(t.native_id for t in threading.enumerate())}
+    for tid in ids:
+        for base in ("x.png", "page.html"):
+            (folder / f".rf-tmp-{base}.{tid}").symlink_to(victim)
+    (folder / "y.png").symlink_to(victim)
+
+    s.put("c/x.png", b"stored")
+    assert s.replace_unless("c/page.html", b"page", "text/html", lambda stored: False)
+    s.put("c/y.png", b"the link is replaced, not followed")
+    assert victim.read_bytes() == b"not yours"
+    assert s.get("c/x.png") == b"stored" and s.get("c/page.html") == b"page"
+    assert not (folder / "y.png").is_symlink() and s.get("c/y.png") == b"the link is replaced, not followed"
+    assert all(os.readlink(folder / f".rf-tmp-x.png.{tid}") == str(victim) for tid in ids)
+    assert list(s.list("c/")) == ["c/other.png", "c/page.html", "c/x.png", "c/y.png"]
+
+
+def test_a_symlinked_file_inside_a_campaign_is_refused_on_read(tmp_path):
+    s = LocalStorage(tmp_path / "root")
+    victim = _elsewhere(tmp_path) / "victim"
+    s.put("c/x.png", b"x")
+    (s.root / "c" / "leak.png").symlink_to(victim)
+    (s.root / "c" / "index.html").symlink_to(victim)
+    (s.root / "c" / "inside.png").symlink_to(s.root / "c" / "x.png")  # even one that stays inside
+    for name in ("c/leak.png", "c/inside.png"):
+        with pytest.raises(ValueError) as caught:
+            s.get(name)
+        assert str(caught.value) == f"{s.root / name} {NO_LINKS}"
+        assert not s.exists(name)
+    looked = []
+    with pytest.raises(ValueError, match=NO_LINKS):
+        s.replace_unless("c/index.html", b"page", "text/html", looked.append)
+    assert looked == [] and victim.read_bytes() == b"not yours"
+    assert list(s.list("c/")) == ["c/x.png"] and list(s.list("c/l")) == []
+
+
+def test_a_fifo_inside_a_campaign_is_refused_without_waiting_on_it(tmp_path):
+    s = LocalStorage(tmp_path / "root")
+    s.put("c/x.png", b"x")
+    fifo = s.root / "c" / "thumb.jpg"
+    os.mkfifo(fifo)
+    outcome = []
+    reader = threading.Thread(target=lambda: outcome.append(pytest.raises(ValueError, s.get, "c/thumb.jpg")),
+                              daemon=True)
+    reader.start()
+    reader.join(5)
+    try:
+        assert not reader.is_alive(), "get waited on a FIFO for a writer"
+    finally:
+        if reader.is_alive():  # let a reader stuck in open() go: a writer comes and leaves
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    assert str(outcome[0].value) == f"{fifo} is not a regular file: {NO_LINKS.removeprefix('is a symlink: ')}"
+    assert not s.exists("c/thumb.jpg") and list(s.list("c/")) == ["c/x.png"]
+
+
 def test_local_transient_oserror_retried(tmp_path, monkeypatch):
     import errno
 
@@ -331,17 +438,18 @@ def test_local_transient_oserror_retried(tmp_path, monkeypatch):
     real = os.replace
     calls = {"n": 0}
 
-    def flaky(src, dst):
+    def flaky(src, dst, **dir_fds):
         calls["n"] += 1
         if calls["n"] <= 2:
             raise OSError(errno.EIO, "I/O error")
-        return real(src, dst)
+        return real(src, dst, **dir_fds)
 
     monkeypatch.setattr(local_backend.os, "replace", flaky)
     s.put("c/x.png", b"data", "image/png")
     assert s.get("c/x.png") == b"data"
     assert calls["n"] == 3
-    assert list(s.list("c/")) == ["c/x.png"]  # failed attempts left no temp files behind
+    assert list(s.list("c/")) == ["c/x.png"]
+    assert os.listdir(s.root / "c") == ["x.png"]  # failed attempts left no temp files behind
 
 
 def test_is_transient_error_classification():

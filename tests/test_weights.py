@@ -348,6 +348,8 @@ LIES = {
     "not utf-8": (b'{"\xff": 1}', "header is not valid JSON"),
     "not an object": (b"[]", "header is not a JSON object"),
     "bad metadata": ({"__metadata__": [1]}, "header's __metadata__ is not a JSON object"),
+    "nested 100,000 deep": (b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                            "header is not valid JSON (nested deeper than Python's JSON parser goes)"),
 }
 
 
@@ -388,6 +390,28 @@ def test_header_length_checked_before_reading(tmp_path: Path) -> None:
            "unet", expected("unet_sd1"), F32)
     path.write_bytes(b"\x01\x00")
     raises("is 2 bytes, too short", tmp_path, "c", "unet", expected("unet_sd1"), F32)
+
+
+def test_headers_far_past_real_checkpoints_are_refused(tmp_path: Path) -> None:
+    """The caps the module documents: 16 MiB of header (real ones are ~200 KB to a few MB) and
+    100,000 tensors a file (a shard of a 30B-parameter model lists a few thousand)."""
+    path = _raw(tmp_path / "bytes", b"{}", length=16 * 2**20 + 1)
+    with open(path, "r+b") as f:  # sparse: the file really is longer than the header it declares
+        f.truncate(17 * 2**20)
+    raises("declares a 16777217-byte header, over the 16777216-byte limit", tmp_path / "bytes", "c", "unet",
+           expected("unet_sd1"), F32)
+    empty = _entry(shape=(0,), offsets=(0, 0))  # a tensor of no bytes: the header is all there is
+    _raw(tmp_path / "count", {f"t{i}": empty for i in range(100_001)})
+    raises("diffusion_pytorch_model.safetensors: header lists 100001 tensors, over the 100000-tensor limit",
+           tmp_path / "count", "c", "unet", expected("unet_sd1"), F32)
+
+
+def test_an_index_nested_too_deep_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "diffusion_pytorch_model.safetensors.index.json").write_bytes(
+        b'{"weight_map": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    raises("diffusion_pytorch_model.safetensors.index.json: is not a JSON object with a weight_map "
+           "(nested deeper than Python's JSON parser goes)", tmp_path, "c", "unet", expected("unet_sd1"), F32)
 
 
 def test_unloadable_dtype_named(tmp_path: Path) -> None:

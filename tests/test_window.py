@@ -148,6 +148,43 @@ def test_a_feeder_that_stalled_past_its_lock_sends_nothing_more(
     assert client.get("rf:c:stalled:feeder") == b"the run that took over"
 
 
+def test_a_feeder_that_lost_its_lock_writes_nothing_over_the_live_runs_books(
+        broker: str, redis_server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its lock expired while it stalled and another run took the campaign and fed it: the
+    stale run's start and end marks (which would say 100 jobs, or fed when the live run is
+    not) write nothing and raise FeederBusy, so status counts by the live run's books; nor can
+    a stale run lift a cancel."""
+    client, settings = redis_server.client(), Settings(broker_url=broker)
+    spec = write_spec(tmp_path, "fenced", 4, window=10)
+    stale = Feeder("fenced", 10, settings)
+    try:
+        client.delete("rf:c:fenced:feeder")  # expired
+        with Feeder("fenced", 10, settings) as live:
+            live._start(4)
+            books = counts(client, "fenced")
+            assert books == {"window": "10", "jobs": "4"}
+            for write in (lambda: stale._start(100), stale.fed):
+                with pytest.raises(FeederBusy, match="campaign='fenced': lost its feeder lock"):
+                    write()
+                assert counts(client, "fenced") == books
+            live.feed(campaign_jobs(spec), 4, 0, progress=False)
+        assert counts(client, "fenced")["fed"] == "1" and Progress(client).status("fenced")["jobs"] == 4
+    finally:
+        stale.__exit__()
+
+    cancel_campaign("fenced", broker)
+    checked = Progress.is_cancelled
+
+    def taken_over_meanwhile(self: Progress, campaign: str) -> bool:
+        client.set("rf:c:fenced:feeder", "the run that took over", ex=100)
+        return checked(self, campaign)
+
+    monkeypatch.setattr(Progress, "is_cancelled", taken_over_meanwhile)
+    with pytest.raises(FeederBusy, match="lost its feeder lock"):
+        Feeder("fenced", 10, settings)
+    assert client.exists("rf:c:fenced:cancel") and client.get("rf:c:fenced:feeder") == b"the run that took over"
+
+
 def test_a_cancel_between_waiting_for_room_and_the_send_stops_the_run(
         broker: str, redis_server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     spec = write_spec(tmp_path, "late", 4, window=10)

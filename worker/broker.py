@@ -10,9 +10,17 @@ several at a time, and less Redis work per message for a worker that acks a bund
   messages instead of two per message.
 - Tags: stock kombu records a message under the delivery tag it carries, so a message pushed
   with the tag of one held unacked overwrites that one's record, which is then never
-  restored. The pop script gives such a message a fresh tag (`TAG#TIME.N`) and the message
-  is delivered with it, so every held message has a record of its own, acknowledged or
-  restored on its own.
+  restored, and a message restored and delivered again has the tag of its last delivery, whose
+  late acknowledgement (or requeue) would drop (or push a second copy of) the new holder's.
+  The pop script gives every delivery a tag of its own (`TAG#TIME.N`) and the message is
+  delivered with it, so every held message has a record of its own, acknowledged or restored
+  on its own, and only by its holder.
+- Routes: stock kombu records a message with the exchange and routing key it names, and its
+  restore (the visibility timeout's scan, a close, `reject(requeue=True)`) pushes it to the
+  list those name: a message naming a new routing key would land on a list no worker
+  consumes (a new Redis key per message), one naming an exchange with no binding nowhere.
+  Here every record is routed to the queue the message was taken from (exchange '',
+  routing key the queue), by the pop script and by QoS.append alike.
 - Waiting: a script cannot block. After an empty reply the next EVAL is pipelined behind
   `BLMOVE list list RIGHT RIGHT wait` on the list jobs without a priority land on
   (renderfarm.queue.redis_priority): a server-side wait that leaves the list as it is and
@@ -40,7 +48,21 @@ several at a time, and less Redis work per message for a worker that acks a bund
   compile, a long prefetch or a paused process never causes a redelivery, and the timeout
   can be short: it bounds how long a dead worker's jobs wait. A popped message is recorded
   as popped at the end of the server-side wait it was sent behind, never earlier.
+- A lost connection puts back nothing: stock kombu, closing the channel, puts back every
+  message it delivered and the application has not settled, which the worker is still
+  rendering; they would be delivered again at once and rendered twice. The worker keeps
+  them: a keeper of its own (HeldKeeper) stamps every message the worker took and has not
+  settled, on whichever connection it came, and so does each channel's restore scan (the
+  transport option `held_tags`); an acknowledgement of a closed channel's message goes
+  straight to Redis. Each delivery has a tag of its own (the pop script's), so a late
+  acknowledgement or requeue of a message since restored and delivered again never touches
+  its new holder's record.
 - One redis-py client serves the channel's bookkeeping; stock kombu builds one per call.
+- Behind Sentinel (`sentinel://` URLs, renderfarm/connections.py) the same channel runs on
+  kombu's Sentinel connections (SentinelChannel/SentinelTransport): every connection asks the
+  sentinels for the current master, so after a failover the pops, records and acks go to the
+  promoted replica. That server may not hold the pop script: its NOSCRIPT reply loads it
+  again before the next pop, as after a restart.
 
 With `global_keyprefix` set the channel consumes as stock kombu does (BRPOP). The transport
 extends kombu internals, so kombu is pinned to the minor version they were written against
@@ -54,7 +76,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import cached_property
 from pathlib import Path
 from queue import Empty
@@ -79,7 +101,18 @@ POP_AND_RECORD = (Path(__file__).parent / "lua" / "pop_and_record.lua").read_tex
 POP_AND_RECORD_SHA = hashlib.sha1(POP_AND_RECORD.encode()).hexdigest()
 
 
+HELD_OPTION = "held_tags"  # transport option: a callable giving the tags the application still holds
+
+
 class QoS(redis.QoS):
+    # kombu puts back every message a channel delivered and the application has not settled
+    # when the channel closes, as it does when a connection to Redis is lost: the worker, which
+    # goes on rendering them, would find them delivered again at once (to itself or another
+    # worker) and rendered twice. A lost connection puts back nothing: the worker keeps what it
+    # holds (stamped whatever the connection, HeldKeeper) and settles it; a dead worker's messages
+    # come back after the visibility timeout, a stopping worker's through its drain (HeldKeeper).
+    restore_at_shutdown = False
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._acked: list[str] = []
@@ -88,12 +121,18 @@ class QoS(redis.QoS):
     def append(self, message: Any, delivery_tag: str) -> None:
         """kombu's record of a delivered message, unless the pop script wrote it already;
         in a plain pipeline: MULTI/EXEC buys nothing here (the restore scan only takes
-        entries older than the visibility timeout, never one being written)."""
+        entries older than the visibility timeout, never one being written). Routed, as the
+        pop script routes its records, to the queue the message was delivered from, not to
+        the exchange and routing key it names (kombu's restore would put it on their list,
+        one no worker may consume); a message taken without a delivery (`basic_get`) keeps
+        kombu's route."""
         if delivery_tag in self.prerecorded:
             self.prerecorded.discard(delivery_tag)
         else:
+            queue = self.channel.connection.delivering_from
             delivery = message.delivery_info
-            record = dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
+            route = ["", queue] if queue is not None else [delivery["exchange"], delivery["routing_key"]]
+            record = dumps([message._raw, *route])
             self.channel._shared_client.pipeline(transaction=False) \
                 .zadd(self.unacked_index_key, {delivery_tag: time.time()}) \
                 .hset(self.unacked_key, delivery_tag, record) \
@@ -106,13 +145,16 @@ class QoS(redis.QoS):
         return MAX_POP if credit is None else max(1, min(credit, MAX_POP))
 
     def ack(self, delivery_tag: str) -> None:
-        self._acked.append(delivery_tag)
-        virtual.QoS.ack(self, delivery_tag)  # bookkeeping only; Redis on the next flush
+        if self.channel.closed:  # a message of a connection since lost: no tick flushes this channel
+            self._remove_from_indices(delivery_tag, self.channel._shared_client.pipeline(transaction=False)).execute()
+        else:
+            self._acked.append(delivery_tag)  # Redis on the next flush
+        virtual.QoS.ack(self, delivery_tag)
 
     def restore_visible(self, start: int = 0, num: int | None = 10, interval: int = 10) -> None:
-        """kombu's restore scan, once this channel's own held messages are stamped: a worker
-        never restores what it holds, even when the keeper thread ran late (the process was
-        paused, or a message was popped since its last stamp)."""
+        """kombu's restore scan, once the messages this worker holds are stamped: a worker
+        never restores what it holds, even when a keeper thread ran late (the process was
+        paused, a message was popped since the last stamp, the connection was made again)."""
         self.channel.stamp_held()
         super().restore_visible(start, num, interval)
 
@@ -161,12 +203,13 @@ class Channel(redis.Channel):
         if self._keeper is None:
             self._keeper = threading.Thread(target=self._keep_held, name="keep-held", daemon=True)
             self._keeper.start()
-        keys = [self._q_for_pri(queue, pri) for pri in self.priority_steps for queue in queues]
+        lists = [(self._q_for_pri(queue, pri), queue) for pri in self.priority_steps for queue in queues]
+        keys, of_queue = [name for name, _ in lists], [queue for _, queue in lists]
         # Recorded as popped at the end of the wait the script may run behind: never older
         # than it is, so no restore scan takes a message popped a moment ago.
         popped_at = time.time() + self._idle_wait
         commands = [("EVALSHA", POP_AND_RECORD_SHA, len(keys) + 2, *keys, self.unacked_index_key,
-                     self.unacked_key, popped_at, self.qos.pop_limit())]
+                     self.unacked_key, popped_at, self.qos.pop_limit(), *of_queue)]
         if self._idle_wait:
             wait_on = self._q_for_pri(queues[0], redis_priority(None))
             commands.insert(0, ("BLMOVE", wait_on, wait_on, "RIGHT", "RIGHT", self._idle_wait))
@@ -248,13 +291,21 @@ class Channel(redis.Channel):
         so kombu's restore, which takes entries older than the timeout, never takes a live
         worker's."""
         interval = max(0.2, self.visibility_timeout / 4)
-        while not self.closed and not self._closing.wait(interval):
+        while not self.closed and not self._stop_keeping.wait(interval):
             self.stamp_held()
 
     def stamp_held(self) -> None:
         """Stamp the unacked index entries of the messages this channel holds with the time
-        now (only those still there: XX)."""
-        tags = list(self.qos._delivered)  # copied in one step: the consumer's thread adds to it
+        now (only those still there: XX): those delivered, those popped and not delivered yet
+        (the consumer handles a pop's messages one after another, and one may hold it up: a
+        bundle that waits for the store threads), and those the application says it holds
+        (HELD_OPTION: delivered on an earlier connection too), so that no restore scan takes
+        them."""
+        # each copied in one step: the consumer's thread adds to them
+        tags = [*self.qos._delivered, *self.qos.prerecorded.copy()]
+        held = self.connection.client.transport_options.get(HELD_OPTION)
+        if held is not None:
+            tags = list(dict.fromkeys([*tags, *held()]))
         if not tags:
             return
         now = time.time()
@@ -264,12 +315,14 @@ class Channel(redis.Channel):
             log.warning("could not re-stamp %d held messages: %s", len(tags), err)
 
     @cached_property
-    def _closing(self) -> threading.Event:
+    def _stop_keeping(self) -> threading.Event:
+        """Set by close. Not kombu's `_closing`, a flag its close sets before it may fail
+        (a broker gone): a close tried again would find a bool there."""
         return threading.Event()
 
     def close(self) -> None:
         if not self.closed:
-            self._closing.set()
+            self._stop_keeping.set()
             with contextlib.suppress(*self.connection.connection_errors):
                 self.qos.flush_acks()  # else redelivered after the visibility timeout
         super().close()
@@ -277,6 +330,18 @@ class Channel(redis.Channel):
 
 class Transport(redis.Transport):
     Channel = Channel
+
+    delivering_from: str | None = None  # the queue of the message being handed to its consumer
+
+    def _deliver(self, message: Any, queue: str) -> None:
+        """Hand a message to its queue's consumer, which records it (QoS.append) as taken
+        from that queue: both ways of popping (the pop script's, and stock kombu's BRPOP with
+        a `global_keyprefix`) deliver through here."""
+        self.delivering_from = queue
+        try:
+            super()._deliver(message, queue)
+        finally:
+            self.delivering_from = None
 
     def register_with_event_loop(self, connection: Any, loop: Any) -> None:
         super().register_with_event_loop(connection, loop)
@@ -287,9 +352,45 @@ class Transport(redis.Transport):
             channel.qos.flush_acks()
 
 
+class SentinelChannel(Channel, redis.SentinelChannel):
+    """The farm's channel on kombu's Sentinel connections: kombu's SentinelChannel builds the
+    pools (each connection to the master the sentinels name at that moment), the farm's
+    Channel does everything else."""
+
+
+class SentinelTransport(Transport, redis.SentinelTransport):
+    Channel = SentinelChannel
+
+
+class HeldKeeper:
+    """Stamps the unacked index entries of every message the application holds (`held`: their
+    delivery tags) every quarter of the visibility timeout, on a Redis client and a thread of
+    its own: a channel's keeper ends with its connection, and until the next connection's keeper
+    runs, another worker's restore scan could take what this one is still rendering."""
+
+    def __init__(self, client: Any, held: Callable[[], list[str]], visibility_timeout: float,
+                 index: str = redis.Channel.unacked_index_key) -> None:
+        self.client, self.held, self.index = client, held, index
+        self.interval = max(0.2, visibility_timeout / 4)
+        threading.Thread(target=self._keep, name="keep-held-jobs", daemon=True).start()  # for the process's life
+
+    def _keep(self) -> None:
+        while True:
+            time.sleep(self.interval)
+            tags = self.held()
+            if not tags:
+                continue
+            try:
+                self.client.zadd(self.index, dict.fromkeys(tags, time.time()), xx=True)
+            except Exception as err:  # noqa: BLE001 - Redis away: the next round tries again
+                log.warning("could not re-stamp %d held jobs: %s", len(tags), err)
+
+
 def transport_for(broker_url: str) -> str:
-    """The transport a worker uses for `broker_url` (`redis://` or `rediss://`: TLS is set up
-    from the URL's `ssl_*` parameters by renderfarm.queue.make_app)."""
+    """The transport a worker uses for `broker_url`: `redis://` or `rediss://` (TLS is set up
+    from the URL's `ssl_*` parameters by renderfarm.queue.make_app), or `sentinel://`."""
+    if broker_url.startswith("sentinel://"):
+        return f"{__name__}:SentinelTransport"
     if not broker_url.startswith(("redis://", "rediss://")):
-        raise ValueError("the worker's broker must be a redis:// or rediss:// URL")
+        raise ValueError("the worker's broker must be a redis://, rediss:// or sentinel:// URL")
     return f"{__name__}:Transport"

@@ -1,9 +1,9 @@
 """One bundle's life as one object: the jobs the worker gathered for one batch, and the state
 they are in.
 
-    GATHERED ──> COMPILING ──> RENDERING ──> STORING ──> SETTLED
-        │                          ^
-        └──────────────────────────┘  its program compiled already
+    GATHERED ──> COMPILING ──> READING ──> RENDERING ──> STORING ──> SETTLED
+        │            │                         ^
+        └────────────┴─────────────────────────┘  its program compiled, its sources read already
     and from any state to SETTLED once it holds no job.
 
 A job belongs to exactly one bundle from the moment it is gathered until its outcome is
@@ -64,14 +64,16 @@ class Job:
 class State(enum.Enum):
     GATHERED = "gathered"  # waiting in the gatherer for its bundle to fill (or to be due)
     COMPILING = "compiling"  # admitted; its shape's program compiles on the compile thread
+    READING = "reading"  # its program is ready; its image jobs' sources are still being read
     RENDERING = "rendering"  # on the devices (or its jobs one by one, after its batch raised)
     STORING = "storing"  # rendered; on the writer's store threads
     SETTLED = "settled"  # it holds no job: each went on to be acknowledged or put back on the queue
 
 
 NEXT: dict[State, frozenset[State]] = {
-    State.GATHERED: frozenset({State.COMPILING, State.RENDERING, State.SETTLED}),
-    State.COMPILING: frozenset({State.RENDERING, State.SETTLED}),
+    State.GATHERED: frozenset({State.COMPILING, State.READING, State.RENDERING, State.SETTLED}),
+    State.COMPILING: frozenset({State.READING, State.RENDERING, State.SETTLED}),
+    State.READING: frozenset({State.RENDERING, State.SETTLED}),
     State.RENDERING: frozenset({State.STORING, State.SETTLED}),
     State.STORING: frozenset({State.SETTLED}),
     State.SETTLED: frozenset(),
@@ -83,7 +85,7 @@ class BundleHook:
     the events you need; a hook that raises is logged and never fails the bundle's jobs."""
 
     def admitted(self, bundle: Bundle) -> None:
-        """It left GATHERED for the devices (COMPILING or RENDERING): `bundle.jobs` were admitted."""
+        """It left GATHERED for the devices (COMPILING, READING or RENDERING): `bundle.jobs` were admitted."""
 
     def rendered(self, bundle: Bundle) -> None:
         """It entered STORING: `bundle.rendered` holds its images."""
@@ -125,6 +127,10 @@ class Bundle:
 
     def compiling(self) -> None:
         self._move(State.COMPILING)
+
+    def reading(self) -> None:
+        if self.state is not State.READING:
+            self._move(State.READING)
 
     def rendering(self, inflight: InFlight | None) -> None:
         """On the devices (`inflight`), or None: its jobs rendered one by one, synchronously

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from renderfarm.flags import broker_flag, job_defaults, job_flags, weights_flags
 from renderfarm.jobs import SCHEDULERS, SPACINGS, JobError, parse_loras
+from renderfarm.sources import READ_SECONDS, SourceRoots
 from worker.plan import JOB_FIELDS
 
 if TYPE_CHECKING:
@@ -69,7 +70,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from worker.engine import Engine, enable_compilation_cache
     from worker.executables import ExecutableStore
     from worker.farm import build_worker
+    from worker.output import check_writable
     from worker.plan import engine_for
+    from worker.sources import InitImages
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     shapes = parse_shapes(args.precompile or "")
@@ -79,6 +82,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         from worker.metrics import check_port
 
         check_port(args.metrics_port)
+    roots = SourceRoots.parse(args.source_root or [])
+    check_writable(args.out)  # before minutes of loading and compiling
     settings = Settings.from_env(broker_url=args.broker)
     cache = enable_compilation_cache(args.compile_cache, max_bytes=args.compile_cache_max_gb * 2**30)
     started = time.perf_counter()
@@ -97,7 +102,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     engine = engine_for(model, args.per_device_batch, lambda engine: key_of(engine, shapes[0]),
                         max_programs=args.max_programs, scorers=load_named_scorers(args),
-                        executables=ExecutableStore(cache / "executables", max_bytes=args.compile_cache_max_gb * 2**30))
+                        executables=ExecutableStore(cache / "executables", max_bytes=args.compile_cache_max_gb * 2**30),
+                        init_images=InitImages(roots, seconds=args.source_seconds))
     for shape in shapes:
         started = time.perf_counter()
         key = key_of(engine, shape)
@@ -259,6 +265,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="shapes to compile before consuming anything (default: none; others compile "
                              f"when their first jobs come); :{CFG_FREE} is the program of jobs with "
                              "guidance <= 1")
+    worker.add_argument("--source-root", action="append", metavar="FOLDER|gs://BUCKET[/PREFIX]",
+                        help="where image jobs' sources (init_image, mask_image) may be read from; repeatable. "
+                             "A worker without one takes no image jobs (default: none)")
+    worker.add_argument("--source-seconds", type=float, default=READ_SECONDS, metavar="SECONDS",
+                        help=f"how long a source read may take before its job is retried (default {READ_SECONDS:g})")
     worker.add_argument("--node-name", metavar="NAME", help="Celery node name (default: renderfarm-PID@HOST)")
     worker.add_argument("--metrics-port", type=int, metavar="PORT",
                         help="serve Prometheus metrics on this port at /metrics (default: off; each worker "

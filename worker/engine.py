@@ -219,7 +219,7 @@ class Engine:
     def __init__(self, model: LoadedModel, per_device_batch: int = 1,
                  devices: Sequence[jax.Device] | None = None,
                  executables: ExecutableStore | None = None, max_programs: int | None = None,
-                 scorers: Scorers | None = None) -> None:
+                 scorers: Scorers | None = None, init_images: InitImages | None = None) -> None:
         if per_device_batch < 1:
             raise JobError("per_device_batch", per_device_batch, "must be at least 1")
         if max_programs is not None and max_programs < 1:
@@ -235,7 +235,8 @@ class Engine:
         self._params = jax.device_put(model.params, self.placement.weight_shardings(model.family, model.params))
         self._weights = by_program(model.family, self._params)  # (the text encoders', the rest)
         self._schedulers: dict[tuple[str, str | None, bool | None], Scheduler] = {}
-        self.init_images = InitImages()  # image jobs' sources, read ahead of their batches
+        # Image jobs' sources, read ahead of their batches; a farm worker's reads only its source roots.
+        self.init_images = init_images or InitImages()
         # Compiled programs, least recently used first; at most max_programs are kept.
         self._compiled: collections.OrderedDict[ShapeKey, Any] = collections.OrderedDict()
         self._encoders: dict[bool, Any] = {}  # the text encoders' program, by guidance kind: kept

@@ -13,6 +13,14 @@ The farm's producer leaves the argument reprs out of its messages (they would do
 queued job's bytes: producer/submit.py); the door writes them into the headers, as Celery's
 `send_task` would have, so Flower shows every job's fields.
 
+The message and its body are decoded as kombu decodes them (kombu.utils.json.loads: the
+decoder its serializer registry has for `application/json`, which Celery's `message.payload`
+runs, and the one kombu's restore reads an unacked record with): its object hook turns
+`{"__type__": ..., "__value__": ...}` objects into datetimes, UUIDs, bytes and the like, and
+raises for an unknown type or a bad value. Decoded any other way, a message could pass here and
+make kombu raise later: Celery would log it and acknowledge it, and the job would vanish with no
+dead letter and no failure recorded.
+
 The job's own fields are checked later, by the job contract (renderfarm.jobs.parse_job), where
 a failure is recorded as the job's result too.
 """
@@ -21,10 +29,10 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 from typing import Any
 
 from celery.utils.saferepr import saferepr
+from kombu.utils.json import loads as kombu_loads
 
 from renderfarm.errors import shown
 from renderfarm.queue import REPR_LIMIT, TASK_NAME
@@ -36,8 +44,10 @@ MAX_ID_CHARS = 256
 # carried along unread.
 TEXT_HEADERS = ("lang", "root_id", "parent_id", "group", "shadow", "origin", "argsrepr", "kwargsrepr")
 MAX_HEADER_CHARS = 1 << 16
-# Celery would schedule or expire these; a render job does neither.
-UNSUPPORTED_HEADERS = ("eta", "expires")
+# Celery would schedule or expire these, and kombu decompress the body by the last (a small
+# message may inflate a thousandfold); a render job does none of it.
+UNSUPPORTED_HEADERS = {"eta": "render jobs are not scheduled", "expires": "render jobs are not scheduled",
+                       "compression": "render jobs are sent uncompressed"}
 UNSUPPORTED_EMBED = ("callbacks", "errbacks", "chain", "chord")
 
 
@@ -100,9 +110,9 @@ def _check_headers(headers: Any) -> None:
         if headers.get(key) is not None:
             _text(headers[key], f"headers.{key}", MAX_HEADER_CHARS, empty=True)
     _require(headers.get("ignore_result"), (bool, type(None)), "headers.ignore_result", "must be true, false or null")
-    for key in UNSUPPORTED_HEADERS:
+    for key, why in UNSUPPORTED_HEADERS.items():
         if headers.get(key) is not None:
-            raise Rejected(f"headers.{key}", headers[key], "must be null (render jobs are not scheduled)")
+            raise Rejected(f"headers.{key}", headers[key], f"must be null ({why})")
     retries = headers.get("retries", 0)
     if type(retries) is not int or not 0 <= retries <= 1000:
         raise Rejected("headers.retries", retries, "must be an integer in 0..1000")
@@ -113,20 +123,25 @@ def _check_headers(headers: Any) -> None:
 
 
 def _check_body(body: Any, encoding: str | None) -> tuple[list, dict]:
-    """The body's args and kwargs: JSON text, or base64 of it (`send_task`'s)."""
+    """The body's args and kwargs: JSON text, or base64 of it (`send_task`'s), taken to bytes
+    as kombu's Message takes it (a text body encoded to UTF-8, where a lone surrogate would
+    raise) and decoded as kombu decodes it."""
     if encoding is None:
         _require(body, str, "body", "must be JSON text (no body_encoding)")
-        text = body
+        try:
+            raw = body.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise Rejected("body", body, f"must be valid Unicode ({err.reason} at {err.start})") from None
     else:
         _require(body, str, "body", "must be a base64 string")
         try:
             raw = base64.b64decode(body, validate=True)
         except (binascii.Error, ValueError):
             raise Rejected("body", body, "must be base64") from None
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise Rejected("body", raw, f"must be UTF-8 ({err.reason} at byte {err.start})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise Rejected("body", raw, f"must be UTF-8 ({err.reason} at byte {err.start})") from None
     decoded = _json("body", text)
     if not (isinstance(decoded, list) and len(decoded) == 3):
         raise Rejected("body", decoded, "must be Celery's [args, kwargs, embed]")
@@ -141,12 +156,14 @@ def _check_body(body: Any, encoding: str | None) -> tuple[list, dict]:
 
 
 def _json(field: str, text: bytes | str) -> Any:
-    """Parsed JSON, or Rejected: Python's parser raises ValueError for bad syntax and for
-    integers over 4,300 digits, RecursionError for deep nesting."""
+    """Decoded as kombu decodes it (see the module's docstring), or Rejected with whatever that
+    raises: ValueError for bad syntax, bytes that are not UTF-8, integers over 4,300 digits and
+    an unknown `__type__`; RecursionError for deep nesting; a type's own error for a bad value."""
     try:
-        return json.loads(text)
-    except (ValueError, RecursionError) as err:
-        raise Rejected(field, text, f"must be valid JSON ({type(err).__name__}: {str(err)[:80]})") from None
+        return kombu_loads(text)
+    except Exception as err:  # noqa: BLE001 - anything kombu would raise on, refused here
+        raise Rejected(field, text, f"must be JSON that kombu decodes ({type(err).__name__}: {str(err)[:80]})") \
+            from None
 
 
 def _require(value: Any, types: type | tuple[type, ...], field: str, rule: str) -> None:

@@ -36,7 +36,7 @@ from renderfarm.queue import make_app, queue_name
 from renderfarm.retry import RetryPolicy
 from renderfarm.settings import Settings
 from renderfarm.storage import open_storage
-from worker.broker import transport_for
+from worker.broker import HELD_OPTION, HeldKeeper, transport_for
 from worker.engine import Engine
 from worker.hooks import FleetHook, GalleryHook, MetricsHook, RateLog
 from worker.intake import RenderStrategy, render_task
@@ -77,16 +77,25 @@ def build_worker(engine: Engine, settings: Settings, out: str, *, node: str | No
         metrics.watch_queue(progress.r, queue)
         metrics.serve(metrics_port)
         log.info("metrics on http://0.0.0.0:%d/metrics", metrics_port)
-    hooks = [FleetHook(progress.r, node, queue), GalleryHook(storage), RateLog(engine)]
+    hooks = [FleetHook(progress.r, node, queue), GalleryHook(storage, engine.init_images.roots), RateLog(engine)]
     if metrics is not None:
         hooks.append(MetricsHook(metrics, engine))
-    processor = Processor(engine, storage, progress, app, settings, store_threads=store_threads,
+    processor = Processor(engine, storage, progress, app, settings, queue, store_threads=store_threads,
                           hooks=hooks, metrics=metrics)
+    # The messages the worker holds stay its own across reconnections (worker.broker).
+    HeldKeeper(progress.r, processor.outcomes.held_tags, settings.visibility_timeout)
+    app.conf.broker_transport_options = {**app.conf.broker_transport_options,
+                                         HELD_OPTION: processor.outcomes.held_tags}
     app.register_task(render_task(RenderStrategy(processor, engine.batch_size, max_wait)))
     app.steps["consumer"].add(drain_step(StopDeadline(processor, drain_seconds)))
     log.info("serving %s (%s) from queue %r in batches of %d on %d %s devices, storing to %s",
              model.ref, model.dtype, queue, engine.batch_size, len(engine.devices),
              engine.devices[0].device_kind, storage.describe())
+    roots = engine.init_images.roots
+    if roots:
+        log.info("image jobs' sources are read from %s only", roots)
+    else:
+        log.info("this worker takes no image jobs: it was started without --source-root")
     worker = Worker(app=app, hostname=node, pool_cls="solo", concurrency=1, queues=[queue], loglevel="INFO",
                     without_mingle=True, without_gossip=True, task_events=True, redirect_stdouts=False)
     return worker, processor

@@ -14,6 +14,7 @@ import redis
 from diffusion.flops import describe_rate
 from renderfarm.fleet import record_stored
 from renderfarm.gallery import Refresher
+from renderfarm.sources import SourceRoots
 from renderfarm.queue import ENQUEUED_HEADER
 from renderfarm.storage import Storage
 from worker.bundles import Bundle, BundleHook, State
@@ -40,8 +41,8 @@ class GalleryHook(BundleHook):
     """Galleries rebuilt on their own thread: throttled while a campaign runs (the
     Refresher), and once more when the worker has had nothing to do for `quiet` seconds."""
 
-    def __init__(self, storage: Storage, quiet: float = GALLERY_QUIET) -> None:
-        self.refresher, self.quiet = Refresher(storage), quiet
+    def __init__(self, storage: Storage, roots: SourceRoots | None, quiet: float = GALLERY_QUIET) -> None:
+        self.refresher, self.quiet = Refresher(storage, roots=roots), quiet
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="gallery")  # refreshes never hold up the consumer
         self._stale, self._last_stored = False, time.monotonic()
 

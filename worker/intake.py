@@ -80,7 +80,7 @@ class Gatherer:
         except Exception as err:  # noqa: BLE001 - the worker must keep serving; jobs go back
             log.exception("batch of %d failed outside any job; requeued", len(bundle.jobs))
             for job in bundle.release_all():
-                self.processor.outcomes.retry(job, f"worker: {err!r}", counts=False)
+                self.processor.outcomes.errored(job, "worker", err)
         blocked = time.monotonic() - started
         for other in self.deadlines:
             self.deadlines[other] += blocked
@@ -103,14 +103,19 @@ class RenderStrategy:
     def __init__(self, processor: Processor, batch_size: int, max_wait: float, patience: int = 4) -> None:
         self.processor, self.batch_size, self.max_wait = processor, batch_size, max_wait
         self.patience = patience
+        self.gatherer: Gatherer | None = None  # the current connection's
 
     def __call__(self, task: Task, app: Celery, consumer: Any) -> Callable[..., None]:
         # Built anew on every (re)connection: nothing of the old connection's buffers
-        # survives, so a reconnect can never leave a flush that will not come. Messages
-        # buffered then are unacked and come back after the visibility timeout.
+        # survives, so a reconnect can never leave a flush that will not come. The jobs
+        # buffered then go back on their queue at once (the transport no longer puts back
+        # a lost connection's messages: worker.broker).
         Req = create_request_cls(Request, task, consumer.pool, consumer.hostname,
                                  consumer.event_dispatcher, app=app)
-        gatherer = Gatherer(self.processor, self.batch_size, self.max_wait, self.patience)
+        if self.gatherer is not None:
+            waiting = [job for bundle in self.gatherer.take_all() for job in bundle.release_all()]
+            self.processor.outcomes.put_back(waiting, "the connection to the broker was lost")
+        self.gatherer = gatherer = Gatherer(self.processor, self.batch_size, self.max_wait, self.patience)
         self.processor.take_waiting = gatherer.take_all
         # Celery publishes buffered task events on the next loop tick, which is one message
         # per received job; here they go out together, once per poll.

@@ -29,9 +29,9 @@ from diffusion.models import LoadedModel
 from diffusion.scores import phash
 from renderfarm.gallery import store_thumbnail
 from renderfarm.jobs import JobError
-from renderfarm.layout import image_name, sidecar_name
+from renderfarm.layout import image_name, sidecar_name, write_check_name
 from renderfarm.manifest import open_manifest
-from renderfarm.storage import Storage
+from renderfarm.storage import Storage, open_storage
 from worker.engine import Rendered
 from worker.png import encode_png
 
@@ -125,6 +125,22 @@ def store_result(storage: Storage, result: Rendered, model: LoadedModel, devices
     line = json.dumps(record)
     storage.put(sidecar_name(campaign, job_id), line.encode(), "application/json")
     return record, line
+
+
+def check_writable(out: str) -> None:
+    """Refuse to start a worker that cannot write its output: it writes a small file there and
+    reads it back (layout.write_check_name), so a missing bucket, a revoked write or a read-only folder
+    is refused at start-up, before minutes of loading and compiling, not found job by job."""
+    name = write_check_name(socket.gethostname())
+    body = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "at": time.time()}).encode()
+    try:
+        storage = open_storage(out)
+        storage.put(name, body, "application/json")
+        if storage.get(name) != body:
+            raise OSError(f"{storage.url(name)} read back other bytes than were written")
+    except Exception as err:  # noqa: BLE001 - whatever the backend raises, the worker cannot start
+        raise JobError("out", out, f"must be storage this worker can write and read back "
+                                   f"({type(err).__name__}: {err})") from None
 
 
 def default_store_threads() -> int:

@@ -1,7 +1,9 @@
 """A job's life between its bundle being gathered and its outcome: admitted (cancelled campaigns
-skipped, attempts counted, a job stored already not redone), its sources read, rendered on the
-devices (a new shape compiled off the consumer's thread), stored on the writer's threads, then
-handed to worker.outcomes. Each bundle's state (worker.bundles) says which step it is at."""
+skipped, attempts counted, a job stored already not redone, one its campaign never sent
+refused), its sources read (off the consumer's thread, each read with a deadline), rendered on
+the devices (a new shape compiled off the consumer's thread), stored on the writer's threads,
+then handed to worker.outcomes, which decides what each failure means. Each bundle's state
+(worker.bundles) says which step it is at."""
 
 from __future__ import annotations
 
@@ -19,8 +21,9 @@ from celery.worker.state import task_accepted
 
 from renderfarm.jobs import JobError, parse_job
 from renderfarm.layout import MANIFEST_BASENAME, sidecar_name
-from renderfarm.progress import Progress
+from renderfarm.progress import NOT_OPEN, NOT_SUBMITTED, Progress
 from renderfarm.settings import Settings
+from renderfarm.sources import check_queued
 from renderfarm.storage import Storage
 from worker.bundles import Bundle, BundleHook, Job, State
 from worker.engine import Engine, Rendered, ShapeKey
@@ -41,10 +44,10 @@ class Processor:
     and it moves each on through its states; `hooks` do the rest of what a state change means."""
 
     def __init__(self, engine: Engine, storage: Storage, progress: Progress, app: Celery,
-                 settings: Settings, store_threads: int | None = None, hooks: Sequence[BundleHook] = (),
-                 metrics: WorkerMetrics | None = None) -> None:
+                 settings: Settings, queue: str, store_threads: int | None = None,
+                 hooks: Sequence[BundleHook] = (), metrics: WorkerMetrics | None = None) -> None:
         self.engine, self.storage, self.progress, self.hooks = engine, storage, progress, hooks
-        self.outcomes = Outcomes(app, progress, settings.max_attempts, metrics)
+        self.outcomes = Outcomes(app, progress, settings, queue, metrics)
         self.writer = ResultWriter(storage, engine.model, engine.devices, threads=store_threads)
         # Takes the GATHERED bundles away from the current connection's gatherer (worker.intake).
         self.take_waiting: Callable[[], list[Bundle]] = lambda: []
@@ -65,12 +68,14 @@ class Processor:
     def receive(self, request: Request) -> Job | None:
         """The job of a delivered message, if it is one this worker can render; else it is
         failed for good with the field, value and rule, and dead-lettered."""
+        self.outcomes.took(request)
         spec = None
         try:
             if request.args:
                 raise JobError("args", request.args, "a job has keyword fields only")
             spec = parse_job(request.kwargs, size_step=self.engine.model.size_step)
             key = self.engine.check(spec)
+            check_queued(spec, self.engine.init_images.roots)  # source roots, and the sources' sha256
             self.engine.prefetch([spec], key)  # its init image is read while its bundle gathers
             return Job(request, spec, key)
         except JobError as err:
@@ -78,7 +83,7 @@ class Processor:
         except Exception as err:  # noqa: BLE001 - a bug here must not stop the worker either
             log.exception("job %s could not be read", request.id)
             reason = f"unreadable job: {type(err).__name__}: {err}"
-        self.outcomes.invalid(request, reason, request.delivery_info.get("routing_key") or "?", spec)
+        self.outcomes.invalid(request, reason, spec)
         return None
 
     # -- admit -----------------------------------------------------------------------
@@ -105,8 +110,7 @@ class Processor:
             cancelled = self.progress.cancelled_among({job.campaign for job in bundle.jobs})
             attempts = self.progress.started(job.ident for job in bundle.jobs if job.campaign not in cancelled)
         except BROKER_ERRORS as err:
-            for job in bundle.release_all():
-                self.outcomes.retry(job, f"broker: {err}", counts=False)
+            self.outcomes.put_back(bundle.release_all(), f"broker: {err}")
             return
         counted = iter(attempts)
         for job in list(bundle.jobs):
@@ -114,28 +118,44 @@ class Processor:
                 self.outcomes.skipped(bundle.release(job))
                 continue
             job.attempt = next(counted)
-            if job.attempt > 1 or job.redelivered:  # its last worker may have stored it
+            if job.attempt == NOT_SUBMITTED:
+                self.outcomes.invalid(bundle.release(job).request, f"invalid job: campaign={job.campaign!r}: never sent "
+                                                           "this job (its campaign's books do not have it)", job.spec)
+                continue
+            if job.attempt == NOT_OPEN or job.attempt > 1 or job.redelivered:  # its last worker may have stored it
                 try:
                     record = self._stored_sidecar(job)
-                except Exception as err:  # noqa: BLE001 - storage away: try again later
-                    self.outcomes.retry(bundle.release(job), f"storage: {err!r}", counts=False)
+                except Exception as err:  # noqa: BLE001 - classified: storage away, or forbidding the read
+                    self.outcomes.errored(bundle.release(job), "storage", err)
                     continue
                 if record is not None:
                     self.outcomes.succeeded([(bundle.release(job), self._result(job, record, already_stored=True))])
+                    continue
+                if job.attempt == NOT_OPEN:
+                    self.outcomes.invalid(bundle.release(job).request, f"invalid job: campaign={job.campaign!r}: the job is "
+                                          "not open in this windowed campaign (failed for good, or never sent) and "
+                                          "not stored", job.spec)
                     continue
             task_accepted(job.request)
             job.request.send_event("task-started")
 
     def _stored_sidecar(self, job: Job) -> dict[str, Any] | None:
         """The sidecar of a job stored already, its manifest line written now unless the part
-        the sidecar names holds it already; None if it is not stored. Raises what storage raises."""
+        the sidecar names holds it already; None if it is not stored. Raises what storage raises.
+        A line written now goes to a new part, which the sidecar is made to name first: a later
+        delivery of the job looks there, and does not write the line again."""
+        name = sidecar_name(job.campaign, job.spec.job_id)
         try:
-            record = json.loads(self.storage.get(sidecar_name(job.campaign, job.spec.job_id)))
+            record = json.loads(self.storage.get(name))
         except FileNotFoundError:
             return None
         manifest = self.writer.manifest
         if not manifest.holds(job.campaign, record.get("manifest_part", MANIFEST_BASENAME), job.spec.job_id):
-            manifest.append(job.campaign, manifest.new_part(job.campaign), [(job.spec.job_id, json.dumps(record))])
+            part = manifest.new_part(job.campaign)
+            if part != record.get("manifest_part"):
+                record["manifest_part"] = part
+                self.storage.put(name, json.dumps(record).encode(), "application/json")
+            manifest.append(job.campaign, part, [(job.spec.job_id, json.dumps(record))])
         return record
 
     def _result(self, job: Job, record: dict[str, Any], **extra: Any) -> dict[str, Any]:
@@ -150,8 +170,14 @@ class Processor:
 
     def _start(self, bundle: Bundle) -> None:
         """Start the bundle on the devices and hand the one before, now rendered, to the
-        writer: the devices work while the consumer gathers the next bundle. A job whose init
-        image cannot be read is taken out first; the rest render."""
+        writer: the devices work while the consumer gathers the next bundle. A bundle whose
+        sources are still being read waits READING (the consumer's timer starts it once they
+        are read or past their deadline); a job whose source cannot be read is taken out; the
+        rest render."""
+        specs, key = [job.spec for job in bundle.jobs], bundle.key
+        if key.image and not self.engine.init_images.ready(specs, key.width, key.height):
+            bundle.reading()
+            return
         self._unreadable(bundle)
         if bundle.state is State.SETTLED:
             return
@@ -166,17 +192,13 @@ class Processor:
             self._collect(earlier)
 
     def _unreadable(self, bundle: Bundle) -> None:
-        """Image jobs whose source is not their image (missing, not an image, changed) fail for
-        good, dead-lettered with the reason; those whose storage is away go back on the queue."""
+        """Image jobs whose source cannot be read are taken out, each failure classified
+        (worker.outcomes): one that is not their image (missing, not allowed, not an image,
+        changed) fails for good; a read that storage failed or that ran out of time is retried."""
         jobs = list(bundle.jobs)
         for n, error in self.engine.init_images.unreadable([job.spec for job in jobs], bundle.key.width,
                                                            bundle.key.height).items():
-            job = bundle.release(jobs[n])
-            if isinstance(error, JobError):
-                queue = job.request.delivery_info.get("routing_key") or "?"
-                self.outcomes.invalid(job.request, f"invalid job: {error}", queue, job.spec)
-            else:
-                self.outcomes.retry(job, f"storage: {type(error).__name__}: {error}", counts=False)
+            self.outcomes.errored(bundle.release(jobs[n]), "source", error)
 
     def _collect(self, bundle: Bundle) -> None:
         """Wait for a bundle's batch on the devices, then hand it to the writer. The wait gives up
@@ -201,7 +223,7 @@ class Processor:
             try:
                 rendered += self.engine.render([job.spec])
             except Exception as err:  # noqa: BLE001
-                self.outcomes.retry(bundle.release(job), f"render: {type(err).__name__}: {err}")
+                self.outcomes.errored(bundle.release(job), "render", err)
         if bundle.state is State.RENDERING:
             self._store(bundle, rendered)
 
@@ -218,7 +240,7 @@ class Processor:
     def _store_failed(self, bundle: Bundle, result: Rendered, error: Exception) -> None:
         job = bundle.unstored(result)
         if job is not None:
-            self.outcomes.retry(job, f"storage: {error!r}", counts=False)  # not the job's fault
+            self.outcomes.errored(job, "storage", error)
 
     # -- the consumer's timer ----------------------------------------------------------
 
@@ -227,8 +249,8 @@ class Processor:
         return 0.0 if self._held(State.RENDERING) else time.monotonic() - self._idle_since
 
     def poll(self) -> None:
-        """Start bundles whose program is now compiled, collect a finished batch, and
-        settle what has been stored."""
+        """Start bundles whose program is now compiled or whose sources are now read, collect a
+        finished batch, settle what has been stored, and put back jobs whose backoff is over."""
         for key in [key for key, future in self._compiling.items() if future.done()]:
             error = self._compiling.pop(key).exception()
             for bundle in self._held(State.COMPILING):
@@ -239,10 +261,15 @@ class Processor:
                 else:
                     for job in bundle.release_all():
                         self.outcomes.failed(job, f"compile: {error}")
+        for bundle in self._held(State.READING):
+            specs, key = [job.spec for job in bundle.jobs], bundle.key
+            if self.engine.init_images.ready(specs, key.width, key.height):
+                self._start(bundle)
         for bundle in self._held(State.RENDERING):
             if bundle.inflight is not None and bundle.inflight.ready():
                 self._collect(bundle)
         self.writer.poll()
+        self.outcomes.requeue_due()
         busy = bool(self._held(State.RENDERING, State.STORING))
         for hook in self.hooks:
             hook.polled(busy)
@@ -268,5 +295,6 @@ class Processor:
         bundles = self.take_waiting() + self._held()
         waiting = [job for bundle in bundles for job in bundle.release_all()]
         self.outcomes.put_back(waiting, "the worker is stopping")
+        backing_off = self.outcomes.requeue_waiting()
         self.drained = True
-        log.info("drained: %d jobs put back on the queue", len(waiting))
+        log.info("drained: %d jobs put back on the queue", len(waiting) + backing_off)

@@ -13,9 +13,9 @@
 -- KEYS[1]: the campaign's open set; KEYS[2]: its counts hash (fields submitted, and admit:
 -- the last admit's token and how many jobs it opened, TOKEN:N); KEYS[3]: its failed hash; KEYS[4]: its attempts hash; KEYS[5]: its times hash
 -- (field first_submitted); KEYS[6]: the set of queue names; KEYS[7]: its feeder lock;
--- KEYS[8]: its cancel flag; KEYS[9..]: the lists the messages go to
+-- KEYS[8]: its cancel flag; KEYS[9]: its refunds hash; KEYS[10..]: the lists the messages go to
 -- ARGV: the time, the admit token, the feeder lock's holder token, the number of queue names,
--- the queue names, then per job its id, its list (1 for KEYS[9], 2 for KEYS[10], ...) and its
+-- the queue names, then per job its id, its list (1 for KEYS[10], 2 for KEYS[11], ...) and its
 -- message (each list gets its messages as one LPUSH of them in that order would).
 -- Returns {outcome, jobs newly open}: outcome 'ok', 'lock' (not the holder) or 'cancelled'.
 local last = redis.call('HGET', KEYS[2], 'admit')
@@ -41,7 +41,8 @@ for i = 5 + queues, #ARGV, 3 do
   if redis.call('SADD', KEYS[1], id) == 1 then
     redis.call('HDEL', KEYS[3], id)
     redis.call('HDEL', KEYS[4], id)
-    redis.call('LPUSH', KEYS[8 + tonumber(ARGV[i + 1])], ARGV[i + 2])
+    redis.call('HDEL', KEYS[9], id)
+    redis.call('LPUSH', KEYS[9 + tonumber(ARGV[i + 1])], ARGV[i + 2])
     newly = newly + 1
   end
 end

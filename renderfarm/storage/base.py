@@ -34,6 +34,15 @@ def check_name(name: str, *, prefix: bool = False) -> str:
 
 
 
+class ObjectTooLarge(ValueError):
+    """An object over the size a reader allows (`GCSStorage.get(name, max_bytes=...)`)."""
+
+    def __init__(self, url: str, size: int | None, max_bytes: int) -> None:
+        super().__init__(f"{url} is {'over ' + str(max_bytes) if size is None else size} bytes, "
+                         f"over the {max_bytes} allowed")
+        self.size, self.max_bytes = size, max_bytes
+
+
 class Storage(abc.ABC):
     """Object store addressed by names relative to a root (see module docstring)."""
 

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, TypeVar
 
 from renderfarm.retry import DEFAULT_RETRY, RetryPolicy, with_retries
-from renderfarm.storage.base import Storage, check_name
+from renderfarm.storage.base import ObjectTooLarge, Storage, check_name
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from google.cloud import storage
@@ -38,7 +38,7 @@ def make_gcs_client(project: str | None = None) -> "storage.Client":
     return storage.Client() if project is None else storage.Client(project=project)
 
 
-_BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]")
+BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]")
 
 
 class GCSStorage(Storage):
@@ -57,7 +57,7 @@ class GCSStorage(Storage):
         retry: RetryPolicy | None = None,
         timeout: float = 60.0,
     ) -> None:
-        if not isinstance(bucket, str) or not _BUCKET_RE.fullmatch(bucket):
+        if not isinstance(bucket, str) or not BUCKET_RE.fullmatch(bucket):
             raise ValueError(f"invalid GCS bucket name {bucket!r}")
         prefix = prefix.strip("/")
         if prefix:
@@ -102,12 +102,21 @@ class GCSStorage(Storage):
 
         self._run(op, f"put {self.url(name)}")
 
-    def get(self, name: str) -> bytes:
+    def get(self, name: str, max_bytes: int | None = None) -> bytes:
+        """With `max_bytes`, at most that many bytes are downloaded (a ranged read): a larger
+        object raises ObjectTooLarge with its size."""
         from google.api_core.exceptions import NotFound
 
         def op() -> bytes:
             try:
-                return self._blob(name).download_as_bytes(retry=None, timeout=self.timeout)
+                if max_bytes is None:
+                    return self._blob(name).download_as_bytes(retry=None, timeout=self.timeout)
+                data = self._blob(name).download_as_bytes(end=max_bytes, retry=None, timeout=self.timeout)
+                if len(data) > max_bytes:  # `end` is inclusive: one byte more than allowed came
+                    blob = self.client.bucket(self.bucket_name).get_blob(self._key(name), retry=None,
+                                                                         timeout=self.timeout)
+                    raise ObjectTooLarge(self.url(name), None if blob is None else blob.size, max_bytes)
+                return data
             except NotFound:
                 raise FileNotFoundError(self.url(name)) from None
 
