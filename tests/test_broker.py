@@ -230,6 +230,23 @@ def publish_with_tag(url: str, r: redis.Redis, message: str, tag: str) -> None:
     r.lset(key, 0, json.dumps(payload))
 
 
+def test_a_lost_connection_puts_back_nothing_the_worker_still_holds(broker: str, redis_server: RedisServer) -> None:
+    """Stock kombu, closing a channel (as Celery does when its connection to Redis is lost),
+    pushes every message it delivered and the application has not settled back onto the queue,
+    where another worker takes what this one is still rendering. Here they stay recorded as
+    held: the worker settles them, or they come back after the visibility timeout if it died."""
+    r = redis_server.client()
+    publish(broker, [("m0", None), ("m1", None)])
+    held: list[Any] = []
+    with connect(broker) as conn, conn.Consumer(QUEUE, callbacks=[lambda _, m: held.append(m)]):
+        drain(conn, lambda: len(held) == 2, 5)
+        conn.default_channel.close()  # what a lost connection's clean-up does
+        assert queued(r) == 0 and r.hlen("unacked") == 2
+        for message in held:  # settled through the closed channel: straight to Redis
+            message.ack()
+        assert r.hlen("unacked") == r.zcard("unacked_index") == 0
+
+
 def test_messages_popped_and_not_handed_over_yet_are_kept_fresh(broker: str, redis_server: RedisServer) -> None:
     """The consumer handles a pop's messages one after another, and one may hold it up for
     longer than the visibility timeout (a full bundle waiting for the store threads): the rest
