@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -44,7 +45,7 @@ from harness.farm import (
 from harness.redis_server import RedisServer
 from renderfarm import deadletters
 from renderfarm.jobs import JobSpec
-from renderfarm.layout import image_name, sidecar_name
+from renderfarm.layout import image_name, sidecar_name, write_check_name
 from renderfarm.progress import Progress
 from renderfarm.sources import SourceRoots
 from renderfarm.queue import (
@@ -506,6 +507,21 @@ def test_every_failure_is_classified_once_and_none_goes_round_for_ever(
     wait_for(lambda: progress.status("forbidden")["done"] == 8, 120, "the requeued jobs to render")
     assert_exactly_once(refused)
     assert worker.proc.poll() is None
+
+
+def test_workers_of_one_host_starting_together_pass_the_write_check(proxy: GcsProxy, gcs: GcsEmulator,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two workers of a host write the same check file: one may read back the other's record."""
+    from worker.output import check_writable
+
+    name = write_check_name(socket.gethostname())
+    other = json.dumps({"host": socket.gethostname(), "pid": 1, "at": 0.0}).encode()
+    between = proxy.add(Rule(rf"^out/{re.escape(name)}$", method="POST", times=1,
+                             after=lambda seen: bucket().put(name, other)))
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+    check_writable(OUT)
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs.url)
+    assert between.matched == 1 and bucket().get(name) == other
 
 
 def test_a_worker_that_cannot_write_its_output_refuses_to_start(gcs: GcsEmulator, tiny_sd: Path,
