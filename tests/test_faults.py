@@ -46,7 +46,9 @@ from harness.redis_server import RedisServer
 from renderfarm import deadletters
 from renderfarm.jobs import JobSpec
 from renderfarm.layout import image_name, sidecar_name, write_check_name
+from producer.campaigns import load_spec, run_campaign
 from renderfarm.progress import Progress
+from renderfarm.settings import Settings
 from renderfarm.sources import SourceRoots
 from renderfarm.queue import (
     TASK_NAME,
@@ -507,6 +509,37 @@ def test_every_failure_is_classified_once_and_none_goes_round_for_ever(
     wait_for(lambda: progress.status("forbidden")["done"] == 8, 120, "the requeued jobs to render")
     assert_exactly_once(refused)
     assert worker.proc.poll() is None
+
+
+@pytest.mark.farm
+def test_a_windowed_jobs_failure_keeps_its_reason_when_its_message_comes_again(
+        start_worker: Callable[..., WorkerProcess], tiny_sd: Path, tmp_path: Path, redis_server: RedisServer) -> None:
+    """A job of a windowed campaign failed for good (here its source lies outside the worker's
+    source roots, which the producer does not know) and then delivered again (a worker killed between its dead letter and its acknowledgement,
+    or anyone pushing the message back): the campaign has closed the job, so the delivery is
+    dead-lettered again and the campaign's books keep the job's own reason, counted once."""
+    model = model_copy(tiny_sd, tmp_path, "closed")
+    r = redis_server.client()
+    (tmp_path / "roots").mkdir(), (tmp_path / "private").mkdir()
+    photo(tmp_path / "private" / "secret.png", (0, 0, 200))
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"prompt": "a fox", "init_image": "private/secret.png",
+                                                     "strength": 0.5}) + "\n")
+    lines = {"name": "closed", "model": str(model), "output": OUT, "prompts": "rows.jsonl", "base_seed": 1,
+             "width": 64, "height": 64, "steps": 3, "window": 4}
+    (tmp_path / "closed.yaml").write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in lines.items()))
+    run_campaign(load_spec(tmp_path / "closed.yaml"), settings=Settings(broker_url=redis_server.url))
+    start_worker(model, "closed", extra=("--source-root", str(tmp_path / "roots")))
+    progress, letters = Progress(r), deadletters.DeadLetters(r)
+    queue = queue_name(str(model), "float32")
+    status = wait_done(progress, "closed", 1)
+    (reason,) = status["failures"].values()
+    assert reason.endswith(SourceRoots.parse([str(tmp_path / "roots")]).rule), reason
+    (letter,) = letters.entries(queue)
+    r.lpush(priority_list(queue, redis_priority(None)), base64.b64decode(letter["message"]))
+    wait_for(lambda: letters.counts()[queue]["total"] == 2, 60, "the second delivery dead-lettered")
+    assert "not open in this windowed campaign" in letters.entries(queue)[0]["reason"]
+    status = progress.status("closed")
+    assert status["failures"] == {letter["job_id"]: reason} and (status["failed"], status["jobs"]) == (1, 1)
 
 
 def test_workers_of_one_host_starting_together_pass_the_write_check(proxy: GcsProxy, gcs: GcsEmulator,

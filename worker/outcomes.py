@@ -105,14 +105,22 @@ class Outcomes:
         self._count("invalid")
         self._fail(request, reason, spec)
 
+    def closed(self, request: Request, reason: str, spec: JobSpec) -> None:
+        """A delivery of a job its windowed campaign has closed (failed for good or cancelled,
+        and delivered again; or never admitted): dead-lettered with the reason, and nothing
+        written to the campaign's books, which hold its outcome already (a failure's reason
+        stays the one it failed with)."""
+        self._count("invalid")
+        self._fail(request, reason, spec, books=False)
+
     def failed(self, job: Job, reason: str) -> None:
         """Failed for good after its attempts (or its program would not compile)."""
         self._fail(job.request, reason, job.spec)
 
-    def _fail(self, request: Request, reason: str, spec: JobSpec | None) -> None:
-        """Recorded failed (campaign progress, the result backend, Flower) and kept with its
-        reason in the dead letters of the queue it was popped from, from where an operator can
-        requeue it once the cause is fixed."""
+    def _fail(self, request: Request, reason: str, spec: JobSpec | None, books: bool = True) -> None:
+        """Recorded failed (campaign progress unless not `books`, the result backend, Flower)
+        and kept with its reason in the dead letters of the queue it was popped from, from
+        where an operator can requeue it once the cause is fixed."""
         log.warning("job %s failed: %s", request.id, reason)
 
         def record() -> None:
@@ -120,7 +128,7 @@ class Outcomes:
             deadletters.add(pipe, self.queue, reason, dumps(request._message._raw).encode(),
                             spec.job_id if spec else None)
             pipe.execute()
-            if spec is not None:
+            if spec is not None and books:
                 self.progress.failed(spec.campaign, spec.job_id, reason)
             self.app.backend.mark_as_failure(request.id, JobFailed(reason))
 

@@ -132,9 +132,9 @@ class Processor:
                     self.outcomes.succeeded([(bundle.release(job), self._result(job, record, already_stored=True))])
                     continue
                 if job.attempt == NOT_OPEN:
-                    self.outcomes.invalid(bundle.release(job).request, f"invalid job: campaign={job.campaign!r}: the job is "
-                                          "not open in this windowed campaign (failed for good, or never sent) and "
-                                          "not stored", job.spec)
+                    self.outcomes.closed(bundle.release(job).request, f"invalid job: campaign={job.campaign!r}: the job is "
+                                         "not open in this windowed campaign (failed for good, or never sent) and "
+                                         "not stored", job.spec)
                     continue
             task_accepted(job.request)
             job.request.send_event("task-started")
