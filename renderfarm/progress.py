@@ -30,7 +30,7 @@ Keys (CAMPAIGN is validated by the job contract, so it cannot reach outside its 
                             it ends)
   rf:c:CAMPAIGN:refunds     hash job id -> attempts refunded for storage or the broker being away
                             (lua/release.lua: at most the bound a job, then they count); expires
-                            REFUNDS_TTL after its last write
+                            ATTEMPTS_TTL after its last write
   rf:c:CAMPAIGN:submission:ID  set of the job ids one submission sent (expires after 7 days)
 Counted (windowed) campaigns have no submitted, done or submission sets; instead:
   rf:c:CAMPAIGN:open        set of job ids queued or running
@@ -69,7 +69,9 @@ QUEUES = "rf:queues"
 # or never admitted).
 NOT_SUBMITTED = 0
 NOT_OPEN = -1
-ATTEMPTS_TTL = 7 * 24 * 3600  # an uncounted campaign's attempts hash lasts this long after its last start
+# An uncounted campaign's attempts hash lasts this long after its last start, and any campaign's
+# refunds hash after its last write.
+ATTEMPTS_TTL = 7 * 24 * 3600
 FAILURES_SHOWN = 100  # the failures `status` reads (a sample of them, when there are more)
 
 
@@ -79,7 +81,6 @@ def _lua(name: str) -> str:
 
 START, FINISH, SETTLE, ADMIT = _lua("start.lua"), _lua("finish.lua"), _lua("settle.lua"), _lua("admit.lua")
 RELEASE = _lua("release.lua")  # jobs back on their queue, attempts counted or refunded
-REFUNDS_TTL = 7 * 24 * 3600  # a refunds hash lives this long after its last write
 REQUEUE = _lua("requeue.lua")  # a dead letter back on its queue (renderfarm/deadletters.py)
 RENEW_LOCK, RELEASE_LOCK = _lua("renew_lock.lua"), _lua("release_lock.lua")  # the feeder's lock
 FENCED = _lua("fenced.lua")  # a feeder's write of its campaign's books, while it holds the lock
@@ -239,12 +240,13 @@ class Progress:
         is stopping) or "bounded" (storage or the broker was away: refunded while the job has
         had at most `bound` such refunds). Returns each job's refunds so far ("bounded"), else 0."""
         jobs = list(jobs)
+        by_campaign = _by_campaign(jobs)
         pipe = self.r.pipeline(transaction=False)
-        for campaign, ids in _by_campaign(jobs).items():
+        for campaign, ids in by_campaign.items():
             self._release(keys=[key(campaign, what) for what in ("running", "attempts", "refunds")],
-                          args=[refund, bound, REFUNDS_TTL, *ids], client=pipe)
+                          args=[refund, bound, ATTEMPTS_TTL, *ids], client=pipe)
         refunds = {}
-        for (campaign, ids), counts in zip(_by_campaign(jobs).items(), pipe.execute()):
+        for (campaign, ids), counts in zip(by_campaign.items(), pipe.execute()):
             refunds.update(((campaign, job_id), int(n)) for job_id, n in zip(ids, counts))
         return [refunds[job] for job in jobs]
 

@@ -28,7 +28,7 @@ from harness.redis_server import RedisServer
 from producer.campaigns import CampaignSpec, StrictError, campaign_jobs, load_spec, run_campaign
 from producer.status import cancel_campaign
 from producer.window import FeederBusy
-from renderfarm.progress import ATTEMPTS_TTL, NOT_OPEN, NOT_SUBMITTED, REFUNDS_TTL, Progress
+from renderfarm.progress import ATTEMPTS_TTL, NOT_OPEN, NOT_SUBMITTED, Progress
 from renderfarm.queue import queue_name
 from renderfarm.settings import Settings
 from renderfarm.storage import open_storage
@@ -492,7 +492,7 @@ def test_transient_failures_are_refunded_within_a_bound_then_count(redis_server:
     progress.started([("refunds", "b"), ("refunds", "c")])
     assert progress.released([("refunds", "b")], "refund") == [0] and client.hget("rf:c:refunds:attempts", "b") == b"0"
     assert progress.released([("refunds", "c")], "count") == [0] and client.hget("rf:c:refunds:attempts", "c") == b"1"
-    assert client.sismember("rf:c:refunds:running", "a") == 0 and REFUNDS_TTL - 5 <= client.ttl("rf:c:refunds:refunds")
+    assert client.sismember("rf:c:refunds:running", "a") == 0 and ATTEMPTS_TTL - 5 <= client.ttl("rf:c:refunds:refunds")
     assert progress.released([("refunds", "never")], "bounded", 2) == [0]
     assert client.hkeys("rf:c:refunds:refunds") == [b"a"]
     progress.started([("refunds", "a")])

@@ -52,8 +52,8 @@ several at a time, and less Redis work per message for a worker that acks a bund
   message it delivered and the application has not settled, which the worker is still
   rendering; they would be delivered again at once and rendered twice. The worker keeps
   them: a keeper of its own (HeldKeeper) stamps every message the worker took and has not
-  settled, on whichever connection it came, and so does each channel's restore scan (the
-  transport option `held_tags`); an acknowledgement of a closed channel's message goes
+  settled, on whichever connection it came, and so does each channel's restore scan before it
+  runs (the transport option `held_tags`); an acknowledgement of a closed channel's message goes
   straight to Redis. Each delivery has a tag of its own (the pop script's), so a late
   acknowledgement or requeue of a message since restored and delivered again never touches
   its new holder's record.
@@ -155,7 +155,7 @@ class QoS(redis.QoS):
         """kombu's restore scan, once the messages this worker holds are stamped: a worker
         never restores what it holds, even when a keeper thread ran late (the process was
         paused, a message was popped since the last stamp, the connection was made again)."""
-        self.channel.stamp_held()
+        self.channel.stamp_held(everything=True)
         super().restore_visible(start, num, interval)
 
     def flush_acks(self) -> None:
@@ -294,16 +294,17 @@ class Channel(redis.Channel):
         while not self.closed and not self._stop_keeping.wait(interval):
             self.stamp_held()
 
-    def stamp_held(self) -> None:
+    def stamp_held(self, everything: bool = False) -> None:
         """Stamp the unacked index entries of the messages this channel holds with the time
-        now (only those still there: XX): those delivered, those popped and not delivered yet
-        (the consumer handles a pop's messages one after another, and one may hold it up: a
-        bundle that waits for the store threads), and those the application says it holds
-        (HELD_OPTION: delivered on an earlier connection too), so that no restore scan takes
-        them."""
+        now (only those still there: XX): those delivered, and those popped and not delivered
+        yet (the consumer handles a pop's messages one after another, and one may hold it up:
+        a bundle that waits for the store threads). With `everything` (before a restore scan),
+        also those the application says it holds (HELD_OPTION: delivered on an earlier
+        connection too, which HeldKeeper keeps fresh between scans), so that the scan takes
+        none of them."""
         # each copied in one step: the consumer's thread adds to them
         tags = [*self.qos._delivered, *self.qos.prerecorded.copy()]
-        held = self.connection.client.transport_options.get(HELD_OPTION)
+        held = self.connection.client.transport_options.get(HELD_OPTION) if everything else None
         if held is not None:
             tags = list(dict.fromkeys([*tags, *held()]))
         if not tags:

@@ -262,9 +262,7 @@ class Processor:
                     for job in bundle.release_all():
                         self.outcomes.failed(job, f"compile: {error}")
         for bundle in self._held(State.READING):
-            specs, key = [job.spec for job in bundle.jobs], bundle.key
-            if self.engine.init_images.ready(specs, key.width, key.height):
-                self._start(bundle)
+            self._start(bundle)  # it waits on while its sources are being read
         for bundle in self._held(State.RENDERING):
             if bundle.inflight is not None and bundle.inflight.ready():
                 self._collect(bundle)

@@ -60,7 +60,7 @@ class InitImages:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="init-image")
         self._kept, self._kept_bytes = kept, kept_bytes
         self._entries: collections.OrderedDict[Source, _Entry] = collections.OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a read done already runs its callback (_evict) at once
 
     def fetch(self, spec: JobSpec, width: int, height: int) -> Future[Read]:
         """Start reading the job's source at its size (once per source and size; again if
@@ -72,21 +72,26 @@ class InitImages:
         source = (spec.init_image, spec.init_image_sha256, spec.mask_image, spec.mask_image_sha256, width, height)
         with self._lock:
             entry = self._entries.get(source)
-            if entry is None or (again and _retry(entry, self.seconds)):
+            started = entry is None or (again and _retry(entry, self.seconds))
+            if started:
                 entry = _Entry(self._pool.submit(self._read, spec, width, height), time.monotonic())
                 self._entries[source] = entry
             self._entries.move_to_end(source)
-            self._evict()
+            if started:
+                self._evict()
+                entry.future.add_done_callback(lambda _: self._evict())  # its bytes are known then
             return entry
 
     def _evict(self) -> None:
         """Drop the least recently fetched reads past the count, then past the bytes (the one
-        fetched last is never dropped: its job waits for it)."""
-        while len(self._entries) > self._kept:
-            self._entries.popitem(last=False)
-        held = sum(_bytes(entry) for entry in self._entries.values())
-        while held > self._kept_bytes and len(self._entries) > 1:
-            held -= _bytes(self._entries.popitem(last=False)[1])
+        fetched last is never dropped: its job waits for it). Run as a read starts and as one
+        ends, the two moments the count or the bytes grow."""
+        with self._lock:
+            while len(self._entries) > self._kept:
+                self._entries.popitem(last=False)
+            held = sum(_bytes(entry) for entry in self._entries.values())
+            while held > self._kept_bytes and len(self._entries) > 1:
+                held -= _bytes(self._entries.popitem(last=False)[1])
 
     def ready(self, specs: list[JobSpec], width: int, height: int) -> bool:
         """Whether the reads of the image jobs among `specs` are over (done, or past their
